@@ -1,0 +1,323 @@
+"""The planning problem as plain data, and the execution model every solver optimizes.
+
+A model is a sequence of *stages* (contiguous runs of graph nodes in topological order, usually one layer each).
+A :class:`Schedule` says which stages run normally ("stored": autograd keeps what their backward needs) and which
+run inside non-reentrant checkpoint *regions* (contiguous runs of stages) with a selective-checkpoint option that
+names the nodes whose outputs are cached instead of recomputed.
+
+:func:`simulate` is the execution model: it replays one training step (forward, then backward from the last stage
+to the first) and tracks every tensor storage the way PyTorch frees it. It is the ground truth the solvers encode
+(``solvers.ilp`` states exactly these rules as linear constraints) and the predictor whose numbers every plan
+carries. The rules, for a tensor ``t`` produced by stage ``p``:
+
+* forward: alive from ``p`` until its last forward reader, and to the end of the forward if something *holds* it;
+* holders, each releasing ``t`` after the backward of a stage ``h``: a stored stage that saves ``t`` (``h`` = that
+  stage); a region that reads ``t`` from outside (checkpoint keeps its inputs; ``h`` = the region's first stage);
+  the selective-checkpoint cache of ``p``'s region (``h`` = the first stage of the region that saves ``t``, else its
+  last stage); a model output (``h`` = 0, alive throughout);
+* backward: at stage ``k``'s backward, ``t`` is alive when some holder has ``h <= k``;
+* recomputation: when the backward reaches the last stage of a region, the region is re-run and every tensor its
+  stages save is materialised again (a second copy if the original is still held elsewhere, no copy if cached);
+  each copy lives until the backward of the first stage in the region that saves it;
+* gradients of parameters appear during the backward of the stage that uses them last and stay.
+
+Workspaces (temporaries, activation gradients in flight) are per stage and come from measurement.
+
+>>> stages = tuple(Stage(f"s{i}", forward_seconds=1.0, backward_seconds=2.0) for i in range(3))
+>>> tensors = tuple(TensorInfo(f"t{i}", 100, producer=i, consumers=frozenset({i + 1}) if i < 2 else frozenset(),
+...                            savers=frozenset({i, i + 1}) if i < 2 else frozenset({i}), node=f"n{i}")
+...                 for i in range(3))
+>>> problem = Problem(stages, tensors, fixed_bytes=1000)
+>>> simulate(problem, Schedule.store_all(3)).peak_bytes
+1300
+>>> simulate(problem, Schedule.uniform(3)).peak_bytes, simulate(problem, Schedule.uniform(3)).recompute_seconds
+(1300, 3.0)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from dataclasses import dataclass, field
+from typing import Iterable
+
+
+@dataclass(frozen=True)
+class RecomputeOption:
+    """One way to recompute a stage: which of its nodes are cached, and the forward time the rest costs again."""
+
+    name: str
+    cached_nodes: frozenset[str]
+    recompute_seconds: float
+
+
+@dataclass(frozen=True)
+class Stage:
+    """A contiguous run of graph nodes, measured.
+
+    ``options`` lists the ways to recompute it; when empty, the one way is to recompute everything.
+    ``grad_bytes`` counts parameter gradients first produced during this stage's backward.
+    """
+
+    name: str
+    forward_seconds: float
+    backward_seconds: float
+    grad_bytes: int = 0
+    forward_workspace_bytes: int = 0
+    backward_workspace_bytes: int = 0
+    recompute_workspace_bytes: int | None = None
+    options: tuple[RecomputeOption, ...] = ()
+
+    @property
+    def recompute_options(self) -> tuple[RecomputeOption, ...]:
+        if self.options:
+            return self.options
+        return (RecomputeOption("recompute_all", frozenset(), self.forward_seconds),)
+
+    @property
+    def recompute_workspace(self) -> int:
+        if self.recompute_workspace_bytes is None:
+            return self.forward_workspace_bytes
+        return self.recompute_workspace_bytes
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One storage the forward allocates: who makes it, who reads it, whose backward needs it."""
+
+    name: str
+    nbytes: int
+    producer: int
+    consumers: frozenset[int] = frozenset()
+    savers: frozenset[int] = frozenset()
+    node: str = ""
+    is_output: bool = False
+
+    @property
+    def last_forward_use(self) -> int:
+        return max(self.consumers | {self.producer})
+
+
+@dataclass(frozen=True)
+class Problem:
+    """Everything a solver needs, without torch: stages in order, tensors, and memory that never moves."""
+
+    stages: tuple[Stage, ...]
+    tensors: tuple[TensorInfo, ...]
+    fixed_bytes: int = 0
+    name: str = ""
+
+    def __post_init__(self):
+        n = len(self.stages)
+        for t in self.tensors:
+            if not 0 <= t.producer < n:
+                raise ValueError(f"tensor {t.name} has producer {t.producer} outside 0..{n - 1}")
+            if any(not t.producer <= s < n for s in t.savers | t.consumers):
+                raise ValueError(f"tensor {t.name} is read or saved by a stage before its producer or past the end")
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+    def is_chain(self) -> bool:
+        """True when every tensor is read and saved only by its producer and the next stage."""
+        return all(max(t.consumers | t.savers | {t.producer}) <= t.producer + 1 and not t.is_output
+                   or (t.is_output and not t.consumers)
+                   for t in self.tensors)
+
+
+@dataclass(frozen=True)
+class Region:
+    """Stages ``start`` to ``stop - 1`` run inside one checkpoint; ``options[i]`` indexes stage ``start+i``'s options."""
+
+    start: int
+    stop: int
+    options: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        if not 0 <= self.start < self.stop:
+            raise ValueError(f"region [{self.start}, {self.stop}) is empty or negative")
+        if self.options and len(self.options) != self.stop - self.start:
+            raise ValueError(f"region [{self.start}, {self.stop}) needs one option per stage, got {self.options}")
+
+    @property
+    def stages(self) -> range:
+        return range(self.start, self.stop)
+
+    def option_of(self, stage: int) -> int:
+        return self.options[stage - self.start] if self.options else 0
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """Which stages are recomputed, grouped into checkpoint regions; every other stage is stored."""
+
+    regions: tuple[Region, ...] = ()
+
+    def __post_init__(self):
+        last = -1
+        for r in self.regions:
+            if r.start <= last:
+                raise ValueError(f"regions overlap or are out of order: {self.regions}")
+            last = r.stop - 1
+
+    @classmethod
+    def store_all(cls, num_stages: int) -> "Schedule":
+        """No recomputation: what eager PyTorch does."""
+        return cls(())
+
+    @classmethod
+    def uniform(cls, num_stages: int) -> "Schedule":
+        """Every stage its own region, recomputed entirely: what ``gradient_checkpointing_enable`` does per layer."""
+        return cls(tuple(Region(i, i + 1) for i in range(num_stages)))
+
+    @classmethod
+    def from_segments(cls, segments: Iterable[tuple[int, int]]) -> "Schedule":
+        return cls(tuple(Region(a, b) for a, b in segments))
+
+    def region_index(self, num_stages: int) -> list[int | None]:
+        owner: list[int | None] = [None] * num_stages
+        for i, r in enumerate(self.regions):
+            if r.stop > num_stages:
+                raise ValueError(f"region [{r.start}, {r.stop}) runs past the last stage {num_stages - 1}")
+            for k in r.stages:
+                owner[k] = i
+        return owner
+
+    def recomputed_stages(self) -> list[int]:
+        return [k for r in self.regions for k in r.stages]
+
+
+class Phase(enum.Enum):
+    FORWARD = "forward"
+    RECOMPUTE = "recompute"
+    BACKWARD = "backward"
+
+
+@dataclass(frozen=True)
+class MemoryEvent:
+    """Memory in use while one stage runs in one phase."""
+
+    phase: Phase
+    stage: int
+    total_bytes: int
+    activation_bytes: int
+    gradient_bytes: int
+    workspace_bytes: int
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    """What the execution model predicts for a schedule."""
+
+    peak_bytes: int
+    recompute_seconds: float
+    step_seconds: float
+    events: tuple[MemoryEvent, ...] = field(repr=False)
+
+    @property
+    def peak_event(self) -> MemoryEvent:
+        return max(self.events, key=lambda e: e.total_bytes)
+
+    @property
+    def overhead(self) -> float:
+        """Extra step time as a fraction of the eager step."""
+        eager = self.step_seconds - self.recompute_seconds
+        return self.recompute_seconds / eager if eager > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class _Liveness:
+    """Per tensor: forward interval end (inclusive), first backward stage holding it, recomputed-copy range."""
+
+    held_from: int | None  # alive at backward stage k when k >= held_from
+    forward_until: int  # alive at forward stage k for producer <= k <= forward_until
+    copy_range: tuple[int, int] | None  # alive at backward stage k for lo <= k <= hi (a recomputed copy)
+
+
+def cached_nodes_of(problem: Problem, schedule: Schedule) -> set[str]:
+    """Names of all nodes whose outputs the schedule caches."""
+    cached: set[str] = set()
+    for r in schedule.regions:
+        for k in r.stages:
+            cached |= problem.stages[k].recompute_options[r.option_of(k)].cached_nodes
+    return cached
+
+
+def liveness(problem: Problem, schedule: Schedule, tensor: TensorInfo) -> _Liveness:
+    """Apply the module docstring's rules to one tensor."""
+    owner = schedule.region_index(problem.num_stages)
+    regions = schedule.regions
+    home = owner[tensor.producer]
+    cached = home is not None and tensor.node in _stage_cached(problem, schedule, tensor.producer)
+    holders: list[int] = []
+    if tensor.is_output:
+        holders.append(0)
+    holders += [s for s in tensor.savers if owner[s] is None]
+    holders += [regions[owner[c]].start for c in tensor.consumers if owner[c] is not None and owner[c] != home]
+    copy_range = None
+    if home is not None:
+        region = regions[home]
+        inside = [s for s in tensor.savers if owner[s] == home]
+        if cached:
+            holders.append(min(inside) if inside else region.stop - 1)
+        elif inside:
+            copy_range = (min(inside), region.stop - 1)
+    held_from = min(holders) if holders else None
+    forward_until = problem.num_stages - 1 if held_from is not None else tensor.last_forward_use
+    return _Liveness(held_from, forward_until, copy_range)
+
+
+def _stage_cached(problem: Problem, schedule: Schedule, stage: int) -> frozenset[str]:
+    for r in schedule.regions:
+        if r.start <= stage < r.stop:
+            return problem.stages[stage].recompute_options[r.option_of(stage)].cached_nodes
+    return frozenset()
+
+
+def simulate(problem: Problem, schedule: Schedule) -> Evaluation:
+    """Replay one training step of ``schedule`` and return its peak memory, recompute time and timeline."""
+    n = problem.num_stages
+    owner = schedule.region_index(n)
+    for r in schedule.regions:
+        for k in r.stages:
+            if not 0 <= r.option_of(k) < len(problem.stages[k].recompute_options):
+                raise ValueError(f"stage {k} has no option {r.option_of(k)}")
+    forward = [0] * n
+    held = [0] * n
+    copies = [0] * n
+    for t in problem.tensors:
+        live = liveness(problem, schedule, t)
+        for k in range(t.producer, live.forward_until + 1):
+            forward[k] += t.nbytes
+        if live.held_from is not None:
+            for k in range(live.held_from, n):
+                held[k] += t.nbytes
+        if live.copy_range is not None:
+            for k in range(live.copy_range[0], live.copy_range[1] + 1):
+                copies[k] += t.nbytes
+    events: list[MemoryEvent] = []
+    for k, stage in enumerate(problem.stages):
+        ws = stage.forward_workspace_bytes
+        events.append(MemoryEvent(Phase.FORWARD, k, problem.fixed_bytes + forward[k] + ws, forward[k], 0, ws))
+    grads = 0
+    region_end = {r.stop - 1: r for r in schedule.regions}
+    for k in reversed(range(n)):
+        if k in region_end:
+            region = region_end[k]
+            ws = max(problem.stages[j].recompute_workspace for j in region.stages)
+            act = held[k] + copies[k]
+            events.append(MemoryEvent(Phase.RECOMPUTE, k, problem.fixed_bytes + act + grads + ws, act, grads, ws))
+        grads += problem.stages[k].grad_bytes
+        ws = problem.stages[k].backward_workspace_bytes
+        act = held[k] + copies[k]
+        events.append(MemoryEvent(Phase.BACKWARD, k, problem.fixed_bytes + act + grads + ws, act, grads, ws))
+    recompute = sum(problem.stages[k].recompute_options[schedule.regions[owner[k]].option_of(k)].recompute_seconds
+                    for k in range(n) if owner[k] is not None)
+    base = sum(s.forward_seconds + s.backward_seconds for s in problem.stages)
+    return Evaluation(max(e.total_bytes for e in events), recompute, base + recompute, tuple(events))
+
+
+def with_budget_slack(problem: Problem, extra_fixed_bytes: int) -> Problem:
+    """The same problem with more memory that never moves (optimizer state, an allocator margin)."""
+    return dataclasses.replace(problem, fixed_bytes=problem.fixed_bytes + extra_fixed_bytes)
