@@ -11,6 +11,8 @@ to the first) and tracks every tensor storage the way PyTorch frees it. It is th
 carries. The rules, for a tensor ``t`` produced by stage ``p``:
 
 * forward: alive from ``p`` until its last forward reader, and to the end of the forward if something *holds* it;
+  a tensor that nothing holds and no later stage reads lives and dies inside stage ``p``: it is part of that
+  stage's forward workspace, not counted on its own;
 * holders, each releasing ``t`` after the backward of a stage ``h``: a stored stage that saves ``t`` (``h`` = that
   stage); a region that reads ``t`` from outside (checkpoint keeps its inputs; ``h`` = the region's first stage);
   the selective-checkpoint cache of ``p``'s region (``h`` = the first stage of the region that saves ``t``, else its
@@ -264,7 +266,12 @@ def liveness(problem: Problem, schedule: Schedule, tensor: TensorInfo) -> _Liven
         elif inside:
             copy_range = (min(inside), region.stop - 1)
     held_from = min(holders) if holders else None
-    forward_until = problem.num_stages - 1 if held_from is not None else tensor.last_forward_use
+    if held_from is not None:
+        forward_until = problem.num_stages - 1
+    elif tensor.last_forward_use > tensor.producer:
+        forward_until = tensor.last_forward_use
+    else:
+        forward_until = tensor.producer - 1  # stage-internal: covered by the forward workspace
     return _Liveness(held_from, forward_until, copy_range)
 
 

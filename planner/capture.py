@@ -1,0 +1,106 @@
+"""Capture: a model and example inputs in, an ATen-level ``fx.GraphModule`` out that trains the caller's parameters.
+
+``torch.export.export(..., strict=False)`` captures Hugging Face GPT-2 and Llama as well as plain modules. Its
+unlifted module (``ExportedProgram.module()``) holds the model's own ``Parameter`` and buffer objects, keeps
+``nn_module_stack`` on every node (so plans can speak of layers) and mutates BatchNorm buffers in place, so it trains
+exactly like the model.
+
+>>> import torch
+>>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+>>> captured = capture(model, (torch.randn(3, 4),))
+>>> captured.graph_module.get_parameter("0.weight") is model[0].weight
+True
+>>> [n.target.__name__ for n in captured.compute_nodes()]
+['linear.default', 'relu.default', 'linear.default']
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+import torch.fx as fx
+from torch.utils._pytree import tree_flatten
+
+from .errors import PlannerError
+
+
+@dataclass(frozen=True)
+class CapturedGraph:
+    """The captured module, and what it was captured with."""
+
+    graph_module: fx.GraphModule
+    example_args: tuple
+    example_kwargs: dict
+    input_signature: tuple
+
+    def compute_nodes(self) -> Iterator[fx.Node]:
+        """Nodes that compute (``call_function``), in execution order."""
+        return (n for n in self.graph_module.graph.nodes if n.op == "call_function")
+
+
+def module_path(node: fx.Node) -> str:
+    """Dotted path of the innermost module that ran ``node`` ("" for the root).
+
+    >>> import torch
+    >>> captured = capture(torch.nn.Sequential(torch.nn.Linear(2, 2)), (torch.randn(1, 2),))
+    >>> [module_path(n) for n in captured.compute_nodes()]
+    ['0']
+    """
+    stack = node.meta.get("nn_module_stack")
+    if not stack:
+        return ""
+    return list(stack.values())[-1][0]
+
+
+def input_signature(args: tuple, kwargs: dict) -> tuple:
+    """Shapes, dtypes and devices of tensor inputs, and values of the others: the key plans are cached under."""
+    leaves, spec = tree_flatten((args, kwargs))
+    described = tuple(
+        ("tensor", tuple(x.shape), str(x.dtype), x.device.type, bool(x.requires_grad))
+        if isinstance(x, torch.Tensor) else ("value", repr(x))
+        for x in leaves)
+    return (str(spec), described)
+
+
+def capture(model: torch.nn.Module, example_args: tuple, example_kwargs: dict | None = None) -> CapturedGraph:
+    """Export ``model`` for training and return its unlifted graph module.
+
+    Raises :class:`PlannerError` naming the cause when the model does not capture or the inputs do not fit it.
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise PlannerError(f"expected an nn.Module to plan, got {type(model).__name__}",
+                           hint="pass the model itself, e.g. planner.optimize(model, budget, example_inputs=(x,))")
+    args = example_args if isinstance(example_args, tuple) else (example_args,)
+    kwargs = dict(example_kwargs or {})
+    if not any(isinstance(x, torch.Tensor) for x in tree_flatten((args, kwargs))[0]):
+        raise PlannerError("example inputs contain no tensor",
+                           hint="pass the inputs of one training step, e.g. example_inputs=(batch,)")
+    was_training = model.training
+    try:
+        exported = torch.export.export(model, args, kwargs, strict=False)
+    except Exception as exc:  # export raises many types; all mean the same to the user
+        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise PlannerError(
+            f"could not capture {type(model).__name__} with torch.export ({type(exc).__name__}: {first_line})",
+            hint="check that the example inputs are what forward() takes; models with data-dependent Python "
+                 "control flow need torch.cond or fixed inputs; for Hugging Face models pass use_cache=False",
+        ) from exc
+    finally:
+        model.train(was_training)
+    return CapturedGraph(exported.module(), args, kwargs, input_signature(args, kwargs))
+
+
+def flat_call_args(captured: CapturedGraph, args: tuple, kwargs: dict) -> list[Any]:
+    """The placeholder values of ``captured`` for a call with ``args`` and ``kwargs``."""
+    gm = captured.graph_module
+    in_spec = getattr(gm, "_in_spec", None)
+    if in_spec is None:
+        return list(args)
+    from torch.export._tree_utils import reorder_kwargs
+    leaves, spec = tree_flatten((args, reorder_kwargs(kwargs, in_spec)))
+    if spec != in_spec:
+        raise PlannerError(f"inputs have structure {spec}, but the plan was made for {in_spec}",
+                           hint="call the optimized module with the same arguments as the example inputs")
+    return leaves

@@ -1,0 +1,217 @@
+"""From a profiled graph to a :class:`~planner.problem.Problem`: stages, tensors, recompute options, calibration.
+
+* Stages follow the model's own structure: one per repeated block (``transformer.h.3``, ``blocks.7``) and one per
+  run of other modules, with light runs (embeddings, masks, views) merged into their neighbours.
+* Tensors are storages that outlive the node that made them; their readers and savers are stages.
+* Recompute options are selective-checkpoint menus per stage: recompute everything, or cache the nodes that cost the
+  most time per byte (matmuls and attention first), in growing shares of the stage's cacheable bytes. Random ops
+  (dropout) are never cached, so a recomputation draws the same random numbers in the same order.
+* Workspaces are calibrated: the memory a stage's forward or backward measured in an eager step, beyond what the
+  execution model accounts for (activation gradients, temporaries). The model then reproduces the eager step.
+
+>>> import torch
+>>> from planner.capture import capture
+>>> from planner.profile import profile_graph
+>>> blocks = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh()) for _ in range(3)])
+>>> captured = capture(blocks, (torch.randn(16, 8),))
+>>> stages = partition_stages(profile_graph(captured, repeats=1))
+>>> [s.name for s in stages]
+['0', '1', '2']
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections import Counter
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch.fx as fx
+
+from .problem import Problem, RecomputeOption, Schedule, Stage, TensorInfo, simulate
+from .profile import GraphProfile, NodeProfile, StageMeasurement
+
+CACHE_SHARES = (0.25, 0.5, 0.75, 1.0)
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    """A stage before measurement: its name and the nodes it runs."""
+
+    name: str
+    nodes: tuple[str, ...]
+
+
+def _block_container(paths: Sequence[str]) -> str | None:
+    """The module path whose numbered children ("h.0", "h.1", ...) run the most nodes: the repeated blocks."""
+    counts: Counter[str] = Counter()
+    children: dict[str, set[str]] = {}
+    for path in paths:
+        parts = path.split(".")
+        for i, part in enumerate(parts):
+            if part.isdigit():
+                prefix = ".".join(parts[:i])
+                children.setdefault(prefix, set()).add(part)
+                counts[prefix] += 1
+    candidates = [p for p, kids in children.items() if len(kids) >= 2]
+    if not candidates:
+        return None
+    return max(candidates, key=lambda p: (len(children[p]), counts[p]))
+
+
+def _key(path: str, depth: int) -> str:
+    return ".".join(path.split(".")[:depth]) if path else ""
+
+
+def _runs(nodes: Sequence[NodeProfile], depth: int) -> list[list[NodeProfile]]:
+    runs: list[list[NodeProfile]] = []
+    for n in nodes:
+        if runs and _key(runs[-1][-1].module_path, depth) == _key(n.module_path, depth):
+            runs[-1].append(n)
+        else:
+            runs.append([n])
+    return runs
+
+
+def _weight(run: Sequence[NodeProfile]) -> float:
+    return sum(n.seconds for n in run) + 1e-12 * sum(n.created_bytes for n in run)
+
+
+def partition_stages(profile: GraphProfile, *, max_stages: int = 64, min_share: float = 0.25) -> list[StageSpec]:
+    """Group nodes into stages: one per repeated block, light runs merged into neighbours, at most ``max_stages``."""
+    nodes = list(profile.nodes)
+    container = _block_container([n.module_path for n in nodes])
+    if container is not None:
+        depth = len(container.split(".")) + 1 if container else 1
+    else:
+        depth = max(range(1, 8), key=lambda d: min(len(_runs(nodes, d)), max_stages))
+    runs = _runs(nodes, depth)
+    block_pattern = re.compile(rf"^{re.escape(container)}\.\d+$") if container else None
+    blocks = [r for r in runs if block_pattern is not None and block_pattern.match(_key(r[0].module_path, depth))]
+    weights = sorted(_weight(r) for r in (blocks or runs))
+    typical = weights[len(weights) // 2] if weights else 0.0
+
+    def is_light(run: list[NodeProfile]) -> bool:
+        key = _key(run[0].module_path, depth)
+        if block_pattern is not None and block_pattern.match(key):
+            return False
+        return _weight(run) < min_share * typical
+
+    merged: list[list[NodeProfile]] = []
+    pending: list[NodeProfile] = []
+    for run in runs:
+        if is_light(run):
+            if merged:
+                merged[-1].extend(run)
+            else:
+                pending.extend(run)
+        else:
+            merged.append(pending + run)
+            pending = []
+    if pending:
+        merged.append(pending)
+    while len(merged) > max_stages:
+        i = min(range(len(merged) - 1), key=lambda j: _weight(merged[j]) + _weight(merged[j + 1]))
+        merged[i:i + 2] = [merged[i] + merged[i + 1]]
+    return [StageSpec(_stage_name(run, depth), tuple(n.name for n in run)) for run in merged]
+
+
+def _stage_name(run: Sequence[NodeProfile], depth: int) -> str:
+    keys = Counter(_key(n.module_path, depth) for n in run)
+    heaviest = max(keys, key=lambda k: sum(n.seconds for n in run if _key(n.module_path, depth) == k))
+    return heaviest or "<root>"
+
+
+def is_random(node: fx.Node) -> bool:
+    """Whether ``node`` draws random numbers (dropout, rand...), so caching it would shift the recomputed RNG."""
+    import torch
+    target = node.target
+    if not hasattr(target, "tags") or torch.Tag.nondeterministic_seeded not in target.tags:
+        return False
+    if target is torch.ops.aten.scaled_dot_product_attention.default:
+        dropout_p = node.args[4] if len(node.args) > 4 else node.kwargs.get("dropout_p", 0.0)
+        return bool(dropout_p)
+    return True
+
+
+def _cache_candidates(stage_nodes: Sequence[NodeProfile], random_nodes: set[str]) -> list[NodeProfile]:
+    usable = [n for n in stage_nodes if n.created and n.transient_bytes == 0 and not n.output_is_view
+              and n.name not in random_nodes and n.seconds > 0]
+    return sorted(usable, key=lambda n: n.seconds / n.created_bytes, reverse=True)
+
+
+def recompute_options(stage_nodes: Sequence[NodeProfile], random_nodes: set[str]) -> tuple[RecomputeOption, ...]:
+    """Selective-checkpoint menu for one stage: nothing cached, then the best time-per-byte nodes in growing shares."""
+    forward = sum(n.seconds for n in stage_nodes)
+    options = [RecomputeOption("recompute_all", frozenset(), forward)]
+    candidates = _cache_candidates(stage_nodes, random_nodes)
+    total = sum(n.created_bytes for n in candidates)
+    seen: set[frozenset[str]] = {frozenset()}
+    matmuls = frozenset(n.name for n in candidates if n.flops > 0)
+    menus = [(f"cache_matmuls", matmuls)]
+    for share in CACHE_SHARES:
+        chosen, acc = [], 0
+        for n in candidates:
+            if acc >= share * total:
+                break
+            chosen.append(n.name)
+            acc += n.created_bytes
+        menus.append((f"cache_{int(share * 100)}pct", frozenset(chosen)))
+    by_name = {n.name: n for n in stage_nodes}
+    for name, cached in menus:
+        if cached and cached not in seen:
+            seen.add(cached)
+            options.append(RecomputeOption(name, cached, max(0.0, forward - sum(by_name[c].seconds for c in cached))))
+    return tuple(options)
+
+
+def build_problem(profile: GraphProfile, stages: Sequence[StageSpec], *, random_nodes: set[str],
+                  extra_fixed_bytes: int = 0, name: str = "") -> Problem:
+    """Tensors, stages and options of ``profile`` cut into ``stages``; workspaces are zero until calibrated."""
+    stage_of = {node: i for i, spec in enumerate(stages) for node in spec.nodes}
+    by_name = {n.name: n for n in profile.nodes}
+    readers: dict[int, set[int]] = {}
+    savers: dict[int, set[int]] = {}
+    for n in profile.nodes:
+        for key in n.reads:
+            readers.setdefault(key, set()).add(stage_of[n.name])
+        for key in n.saved:
+            savers.setdefault(key, set()).add(stage_of[n.name])
+    tensors = []
+    for n in profile.nodes:
+        producer = stage_of[n.name]
+        for record in n.created:
+            if not record.survives:
+                continue
+            tensors.append(TensorInfo(
+                name=f"{n.name}#{record.key}", nbytes=record.nbytes, producer=producer, node=n.name,
+                consumers=frozenset(readers.get(record.key, set()) - {producer}),
+                savers=frozenset(savers.get(record.key, set())), is_output=record.key in profile.output_keys))
+    grad_stage: dict[str, int] = {}
+    for n in profile.nodes:
+        for param in n.param_reads:
+            grad_stage[param] = max(grad_stage.get(param, -1), stage_of[n.name])
+    grads = Counter()
+    for param, stage in grad_stage.items():
+        grads[stage] += profile.param_grad_bytes.get(param, 0)
+    built = []
+    for i, spec in enumerate(stages):
+        nodes = [by_name[x] for x in spec.nodes]
+        built.append(Stage(spec.name, forward_seconds=sum(n.seconds for n in nodes), backward_seconds=0.0,
+                           grad_bytes=grads[i], options=recompute_options(nodes, random_nodes)))
+    return Problem(tuple(built), tuple(tensors), profile.fixed_bytes + extra_fixed_bytes, name)
+
+
+def calibrate(problem: Problem, measured: StageMeasurement) -> Problem:
+    """Set workspaces and backward times so that the model reproduces the measured eager step stage by stage."""
+    events = simulate(problem, Schedule.store_all(problem.num_stages)).events
+    forward = {e.stage: e for e in events if e.phase.value == "forward"}
+    backward = {e.stage: e for e in events if e.phase.value == "backward"}
+    stages = []
+    for k, stage in enumerate(problem.stages):
+        fwd_ws = max(0, measured.forward_peak[k] - forward[k].activation_bytes)
+        bwd_ws = max(0, measured.backward_peak[k] - backward[k].activation_bytes - backward[k].gradient_bytes)
+        stages.append(dataclasses.replace(stage, forward_workspace_bytes=fwd_ws, backward_workspace_bytes=bwd_ws,
+                                          backward_seconds=measured.backward_seconds[k]))
+    return dataclasses.replace(problem, stages=tuple(stages))

@@ -1,0 +1,379 @@
+"""Profile a captured graph: what every node allocates, reads and leaves for the backward, its FLOPs and its time.
+
+:class:`ProfilingInterpreter` is an ``fx.Interpreter`` (in the manner of torch.fx's ``ShapeProp``) that runs one
+training forward with real tensors and writes a :class:`NodeProfile` into ``node.meta["planner"]``. Storages are
+identified by object (views share one), so a tensor saved by several ops or read through views counts once.
+
+:func:`measure_stages` then runs whole training steps with stage markers: it returns, per stage, the measured peak of
+live memory during its forward and its backward (from :class:`~planner.meter.LiveMemoryMeter`) and its backward time.
+
+>>> import torch
+>>> from planner.capture import capture
+>>> model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8))
+>>> captured = capture(model, (torch.randn(4, 8),))
+>>> profile = profile_graph(captured, repeats=1)
+>>> [(p.name, p.created_bytes, p.flops) for p in profile.nodes]
+[('linear', 512, 2048), ('relu', 512, 0), ('linear_1', 128, 2048)]
+>>> profile.nodes[1].saved == {profile.nodes[1].created[0].key}   # relu saves its output
+True
+"""
+
+from __future__ import annotations
+
+import statistics
+from contextlib import contextmanager
+import time
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+import torch.fx as fx
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves, tree_map
+from torch.utils.flop_counter import FlopCounterMode
+
+from .capture import CapturedGraph, flat_call_args, module_path
+from .meter import LiveMemoryMeter, storage_bytes
+
+
+@dataclass(frozen=True)
+class StorageRecord:
+    """A storage a node allocated: its id within the profile, its size, and whether it outlived the node."""
+
+    key: int
+    nbytes: int
+    survives: bool
+
+
+@dataclass(frozen=True)
+class NodeProfile:
+    """What one node does, measured."""
+
+    name: str
+    module_path: str
+    seconds: float
+    flops: int
+    created: tuple[StorageRecord, ...]
+    reads: frozenset[int]
+    saved: frozenset[int]
+    param_reads: frozenset[str]
+    output_is_view: bool
+
+    @property
+    def created_bytes(self) -> int:
+        return sum(s.nbytes for s in self.created)
+
+    @property
+    def transient_bytes(self) -> int:
+        return sum(s.nbytes for s in self.created if not s.survives)
+
+
+@dataclass(frozen=True)
+class GraphProfile:
+    """Profiles of all computing nodes in order, plus what the graph holds from outside."""
+
+    nodes: tuple[NodeProfile, ...]
+    output_keys: frozenset[int]
+    param_grad_bytes: dict[str, int]
+    fixed_bytes: int
+
+    def node(self, name: str) -> NodeProfile:
+        return next(n for n in self.nodes if n.name == name)
+
+
+class _StorageTracker(TorchDispatchMode):
+    """Gives every storage allocated inside it a stable key while it lives."""
+
+    def __init__(self):
+        super().__init__()
+        self.keys: dict[int, int] = {}
+        self.sizes: dict[int, int] = {}
+        self.created: list[int] = []
+        self._refs: dict[int, weakref.ref] = {}
+        self._next = 0
+
+    def key_of(self, tensor: torch.Tensor) -> int | None:
+        return self.keys.get(id(tensor.untyped_storage()))
+
+    def alive(self, key: int) -> bool:
+        return any(k == key for k in self.keys.values())
+
+    def _forget(self, storage_id: int) -> None:
+        self.keys.pop(storage_id, None)
+        self._refs.pop(storage_id, None)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {id(t.untyped_storage()) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                storage = t.untyped_storage()
+                sid = id(storage)
+                if sid in inputs or sid in self.keys or storage.nbytes() == 0:
+                    continue
+                self.keys[sid] = self._next
+                self.sizes[self._next] = storage.nbytes()
+                self._refs[sid] = weakref.ref(storage, lambda _r, s=sid: self._forget(s))
+                self.created.append(self._next)
+                self._next += 1
+        return out
+
+
+class ProfilingInterpreter(fx.Interpreter):
+    """Runs the graph once, recording per node allocations, reads, saved tensors and FLOPs into ``node.meta``."""
+
+    def __init__(self, gm: fx.GraphModule, param_storages: dict[int, str]):
+        super().__init__(gm)
+        self.param_storages = param_storages
+        self.tracker = _StorageTracker()
+        self.profiles: list[NodeProfile] = []
+
+    def run_node(self, n: fx.Node) -> Any:
+        if n.op != "call_function":
+            return super().run_node(n)
+        args, kwargs = self.fetch_args_kwargs_from_env(n)
+        in_tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        saved: set[int] = set()
+
+        def pack(t: torch.Tensor):
+            key = self.tracker.key_of(t)
+            if key is not None:
+                saved.add(key)
+            return t
+
+        start = len(self.tracker.created)
+        flop_counter = FlopCounterMode(display=False)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), flop_counter, self.tracker:
+            out = n.target(*args, **kwargs)
+        new_keys = self.tracker.created[start:]
+        alive = set(self.tracker.keys.values())
+        created = tuple(StorageRecord(k, self.tracker.sizes[k], k in alive) for k in new_keys)
+        reads = frozenset(k for k in (self.tracker.key_of(t) for t in in_tensors) if k is not None)
+        params = frozenset(self.param_storages[id(t.untyped_storage())] for t in in_tensors
+                           if id(t.untyped_storage()) in self.param_storages)
+        out_tensors = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        in_ids = {id(t.untyped_storage()) for t in in_tensors}
+        output_is_view = bool(out_tensors) and all(id(t.untyped_storage()) in in_ids for t in out_tensors)
+        profile = NodeProfile(n.name, module_path(n), 0.0, flop_counter.get_total_flops(), created, reads,
+                              frozenset(saved), params, output_is_view)
+        n.meta["planner"] = profile
+        self.profiles.append(profile)
+        return out
+
+
+class _TimingInterpreter(fx.Interpreter):
+    def __init__(self, gm: fx.GraphModule):
+        super().__init__(gm)
+        self.seconds: dict[str, float] = {}
+
+    def run_node(self, n: fx.Node) -> Any:
+        if n.op != "call_function":
+            return super().run_node(n)
+        args, kwargs = self.fetch_args_kwargs_from_env(n)
+        start = time.perf_counter()
+        out = n.target(*args, **kwargs)
+        self.seconds[n.name] = time.perf_counter() - start
+        return out
+
+
+def _param_storages(gm: fx.GraphModule) -> tuple[dict[int, str], dict[str, int]]:
+    storages: dict[int, str] = {}
+    grad_bytes: dict[str, int] = {}
+    for name, p in gm.named_parameters(remove_duplicate=True):
+        sid = id(p.untyped_storage())
+        if sid not in storages:
+            storages[sid] = name
+            if p.requires_grad:
+                grad_bytes[name] = p.untyped_storage().nbytes()
+    return storages, grad_bytes
+
+
+@contextmanager
+def preserved_training_state(gm: fx.GraphModule) -> Iterator[None]:
+    """Profiling runs leave no trace: RNG state, buffers (BatchNorm statistics) and ``.grad`` are restored."""
+    rng = torch.get_rng_state()
+    buffers = {name: b.detach().clone() for name, b in gm.named_buffers()}
+    grads = {p: p.grad for p in gm.parameters()}
+    try:
+        yield
+    finally:
+        torch.set_rng_state(rng)
+        with torch.no_grad():
+            for name, b in gm.named_buffers():
+                b.copy_(buffers[name])
+        for p, g in grads.items():
+            p.grad = g
+
+
+def fixed_tensors(gm: fx.GraphModule, flat_args: Sequence[Any]) -> list[torch.Tensor]:
+    """Tensors alive throughout a step that the graph does not allocate: parameters, buffers, inputs."""
+    tensors = list(gm.parameters()) + list(gm.buffers())
+    return tensors + [t for t in flat_args if isinstance(t, torch.Tensor)]
+
+
+def profile_graph(captured: CapturedGraph, *, repeats: int = 3) -> GraphProfile:
+    """Run the captured graph once to record storages and saved tensors, then ``repeats`` times to time nodes."""
+    gm = captured.graph_module
+    flat = flat_call_args(captured, captured.example_args, captured.example_kwargs)
+    param_storages, grad_bytes = _param_storages(gm)
+    timings: dict[str, list[float]] = {}
+    with preserved_training_state(gm):
+        interp = ProfilingInterpreter(gm, param_storages)
+        outputs = interp.run(*flat)
+        output_keys = frozenset(k for k in (interp.tracker.key_of(t) for t in tree_leaves(outputs)
+                                            if isinstance(t, torch.Tensor)) if k is not None)
+        del outputs
+        for _ in range(repeats + 1):
+            timer = _TimingInterpreter(gm)
+            timer.run(*flat)
+            for name, s in timer.seconds.items():
+                timings.setdefault(name, []).append(s)
+    nodes = []
+    for p in interp.profiles:
+        samples = timings.get(p.name, [0.0])
+        seconds = statistics.median(samples[1:] if len(samples) > 1 else samples)
+        nodes.append(NodeProfile(p.name, p.module_path, seconds, p.flops, p.created, p.reads, p.saved,
+                                 p.param_reads, p.output_is_view))
+    for n in gm.graph.nodes:
+        if "planner" in n.meta:
+            n.meta["planner"] = next(p for p in nodes if p.name == n.name)
+    return GraphProfile(tuple(nodes), output_keys, grad_bytes, storage_bytes(fixed_tensors(gm, flat)))
+
+
+# --- measured steps with stage markers --------------------------------------------------------------------------
+
+class _BackwardMarker(torch.autograd.Function):
+    """Identity on tensors; calls ``callback`` when the backward has passed through all of them."""
+
+    @staticmethod
+    def forward(ctx, callback, *tensors):
+        ctx.callback = callback
+        ctx.set_materialize_grads(False)
+        return tuple(t.view_as(t) for t in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.callback()
+        return (None, *grads)
+
+
+@dataclass
+class StageMeasurement:
+    """Measured per stage over one eager step: peak live bytes (beyond fixed) in its forward and backward."""
+
+    forward_peak: list[int]
+    backward_peak: list[int]
+    backward_seconds: list[float]
+    step_seconds: float
+    total_peak: int = 0
+    notes: list[str] = field(default_factory=list)
+
+
+class _MarkingInterpreter(fx.Interpreter):
+    def __init__(self, gm: fx.GraphModule, stage_of: dict[str, int], on_forward: Callable[[int], None],
+                 on_backward_done: Callable[[int], None]):
+        super().__init__(gm)
+        self.stage_of = stage_of
+        self.on_forward = on_forward
+        self.on_backward_done = on_backward_done
+        self.current = -1
+
+    def run_node(self, n: fx.Node) -> Any:
+        stage = self.stage_of.get(n.name)
+        if stage is not None and stage != self.current:
+            self.current = stage
+            self._mark_inputs(stage)
+            self.on_forward(stage)
+        return super().run_node(n)
+
+    def _mark_inputs(self, stage: int) -> None:
+        external = []
+        for n in self.module.graph.nodes:
+            if self.stage_of.get(n.name) != stage:
+                continue
+            for src in n.all_input_nodes:
+                src_stage = self.stage_of.get(src.name)
+                if src_stage is not None and src_stage < stage and src not in external:
+                    value = self.env.get(src)
+                    if isinstance(value, torch.Tensor) and value.requires_grad:
+                        external.append(src)
+        if external:
+            marked = _BackwardMarker.apply(lambda: self.on_backward_done(stage), *[self.env[s] for s in external])
+            for src, value in zip(external, marked):
+                self.env[src] = value
+
+
+def default_loss(outputs: Any) -> torch.Tensor:
+    """The first scalar output that requires grad, else the sum of all floating outputs (a stand-in loss)."""
+    leaves = [t for t in tree_leaves(outputs) if isinstance(t, torch.Tensor) and t.requires_grad]
+    for t in leaves:
+        if t.dim() == 0:
+            return t
+    if not leaves:
+        raise ValueError("the model returns no tensor that requires grad, so there is nothing to train")
+    return sum(t.float().sum() for t in leaves)
+
+
+def measure_stages(captured: CapturedGraph, stage_of: dict[str, int], num_stages: int, *,
+                   loss_fn: Callable[[Any], torch.Tensor] | None = None, repeats: int = 3) -> StageMeasurement:
+    """Run eager training steps of the captured graph with stage markers; measure memory once and time ``repeats``."""
+    gm = captured.graph_module
+    flat = flat_call_args(captured, captured.example_args, captured.example_kwargs)
+    loss_of = loss_fn or default_loss
+
+    def one_step(on_forward, on_backward_start, on_backward_done):
+        interp = _MarkingInterpreter(gm, stage_of, on_forward, on_backward_done)
+        outputs = interp.run(*flat)
+        loss = loss_of(outputs)
+        on_backward_start()
+        loss.backward()
+        for p in gm.parameters():
+            p.grad = None
+        return outputs
+
+    with preserved_training_state(gm):
+        return _measure(one_step, num_stages, repeats)
+
+
+def _measure(one_step, num_stages: int, repeats: int) -> StageMeasurement:
+    meter = LiveMemoryMeter()
+    with meter:
+        one_step(lambda k: meter.mark(f"f{k}"), lambda: meter.mark("b"), lambda k: meter.mark(f"d{k}"))
+    forward_peak = [0] * num_stages
+    backward_peak = [0] * num_stages
+    for seg in meter.segments:
+        if seg.label.startswith("f"):
+            forward_peak[int(seg.label[1:])] = max(forward_peak[int(seg.label[1:])], seg.peak_bytes)
+    backward_segments = [s for s in meter.segments if not s.label.startswith("f")]
+    # a segment that starts at "b" or "d{k}" covers the backward of the stages down to the next "d{j}" mark
+    for seg, nxt in zip(backward_segments, backward_segments[1:] + [None]):
+        low = int(nxt.label[1:]) if nxt is not None else 0
+        high = int(seg.label[1:]) - 1 if seg.label.startswith("d") else num_stages - 1
+        for k in range(low, high + 1):
+            backward_peak[k] = max(backward_peak[k], seg.peak_bytes)
+
+    times: list[list[float]] = [[] for _ in range(num_stages)]
+    steps: list[float] = []
+    for _ in range(repeats + 1):
+        stamps: list[tuple[str, int, float]] = []
+        start = time.perf_counter()
+        one_step(lambda k: None, lambda: stamps.append(("b", num_stages, time.perf_counter())),
+                 lambda k: stamps.append(("d", k, time.perf_counter())))
+        end = time.perf_counter()
+        steps.append(end - start)
+        marks = stamps + [("d", 0, end)]
+        per_stage = [0.0] * num_stages
+        for (_, hi, t0), (_, lo, t1) in zip(marks, marks[1:]):
+            covered = list(range(lo, hi)) or [lo]
+            for k in covered:
+                per_stage[k] += (t1 - t0) / len(covered)
+        for k in range(num_stages):
+            times[k].append(per_stage[k])
+    backward_seconds = [statistics.median(t[1:]) for t in times]
+    return StageMeasurement(forward_peak, backward_peak, backward_seconds, statistics.median(steps[1:]),
+                            total_peak=meter.peak_bytes)
+
+
+def clone_inputs(values: Any) -> Any:
+    return tree_map(lambda x: x.detach().clone() if isinstance(x, torch.Tensor) else x, values)

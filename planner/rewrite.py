@@ -1,0 +1,170 @@
+"""Turn a plan into a module that runs it: checkpoint regions carved out of the captured graph.
+
+Each region of the plan becomes a :class:`CheckpointRegion` submodule: a small ``fx.GraphModule`` body (the region's
+nodes, taking what it reads from outside as arguments) run under non-reentrant ``torch.utils.checkpoint`` with a
+selective-checkpoint policy. The top-level graph calls ``self.region_<i>(...)`` where the region's nodes were, so
+``print(module.code)`` shows where each region starts and ends. Inside a body, ``planner_cache_on()`` /
+``planner_cache_off()`` bracket the nodes whose outputs are cached instead of recomputed.
+
+Exactness: checkpoint restores the CPU/CUDA RNG and autocast state for the recomputation, random ops are never
+cached (so the recomputation draws the same numbers in the same order), BatchNorm runs with momentum 0 while
+recomputing (``running * 1 + batch * 0`` is the running value exactly) and in-place buffer updates such as
+``num_batches_tracked += 1`` are hoisted out of regions, so BatchNorm statistics move exactly once per step.
+"""
+
+from __future__ import annotations
+
+import copy
+import operator
+import threading
+from contextlib import contextmanager, nullcontext
+from typing import Any, Iterator, Sequence
+
+import torch
+import torch.fx as fx
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from .plan import Plan, PlannedRegion
+
+_STATE = threading.local()
+
+
+def _flag(name: str) -> bool:
+    return getattr(_STATE, name, False)
+
+
+def planner_cache_on() -> None:
+    """Outputs of the ops that follow are cached by selective checkpointing (until :func:`planner_cache_off`)."""
+    _STATE.caching = True
+
+
+def planner_cache_off() -> None:
+    _STATE.caching = False
+
+
+def _cache_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if _flag("caching") else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def planner_batch_norm(input, weight, bias, running_mean, running_var, training, momentum, eps, cudnn_enabled):
+    """``aten.batch_norm`` that leaves running statistics untouched while a region is being recomputed."""
+    if training and _flag("recomputing"):
+        momentum = 0.0
+    return torch.ops.aten.batch_norm.default(input, weight, bias, running_mean, running_var, training, momentum,
+                                             eps, cudnn_enabled)
+
+
+@contextmanager
+def _recomputing(inner) -> Iterator[None]:
+    previous = _flag("recomputing")
+    _STATE.recomputing = True
+    try:
+        with inner:
+            yield
+    finally:
+        _STATE.recomputing = previous
+
+
+class CheckpointRegion(torch.nn.Module):
+    """Runs ``body`` under non-reentrant checkpoint; nodes bracketed by cache calls are saved, the rest recomputed."""
+
+    def __init__(self, body: fx.GraphModule, stage_names: Sequence[str], cached_nodes: Sequence[str]):
+        super().__init__()
+        self.body = body
+        self.stage_names = tuple(stage_names)
+        self.cached_nodes = tuple(cached_nodes)
+
+    def _contexts(self):
+        if self.cached_nodes:
+            forward, recompute = create_selective_checkpoint_contexts(_cache_policy)
+        else:
+            forward, recompute = nullcontext(), nullcontext()
+        return forward, _recomputing(recompute)
+
+    def forward(self, *args: Any) -> Any:
+        try:
+            return checkpoint(self.body, *args, use_reentrant=False, context_fn=self._contexts,
+                              preserve_rng_state=True)
+        finally:
+            planner_cache_off()
+
+    def extra_repr(self) -> str:
+        span = self.stage_names[0] if len(self.stage_names) == 1 else \
+            f"{self.stage_names[0]} .. {self.stage_names[-1]}"
+        return f"stages=[{span}], cached_nodes={len(self.cached_nodes)}"
+
+
+def _is_hoisted(node: fx.Node) -> bool:
+    """In-place updates of buffers with no users (``num_batches_tracked.add_(1)``): run once, outside regions."""
+    target = node.target
+    schema = getattr(target, "_schema", None)
+    return (schema is not None and schema.is_mutable and not node.users
+            and target is not torch.ops.aten.batch_norm.default)
+
+
+def _region_nodes(graph: fx.Graph, stage_nodes: Sequence[Sequence[str]], region: PlannedRegion) -> list[fx.Node]:
+    names = {name for k in range(region.start, region.stop) for name in stage_nodes[k]}
+    return [n for n in graph.nodes if n.name in names and not _is_hoisted(n)]
+
+
+def _build_body(nodes: list[fx.Node], cached: set[str]) -> tuple[fx.GraphModule, list[fx.Node], list[fx.Node]]:
+    inside = set(nodes)
+    inputs: list[fx.Node] = []
+    for n in nodes:
+        for src in n.all_input_nodes:
+            if src not in inside and src not in inputs:
+                inputs.append(src)
+    outputs = [n for n in nodes if any(u not in inside for u in n.users)]
+    body = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {src: body.placeholder(src.name) for src in inputs}
+    for n in nodes:
+        if n.name in cached:
+            body.call_function(planner_cache_on)
+        copied = body.node_copy(n, lambda x: env[x])
+        if n.target is torch.ops.aten.batch_norm.default:
+            copied.target = planner_batch_norm
+        env[n] = copied
+        if n.name in cached:
+            body.call_function(planner_cache_off)
+    body.output(tuple(env[n] for n in outputs))
+    return fx.GraphModule(torch.nn.Module(), body, class_name="RegionBody"), inputs, outputs
+
+
+def apply_plan(graph_module: fx.GraphModule, plan: Plan) -> fx.GraphModule:
+    """A new ``GraphModule`` that runs ``plan`` on ``graph_module``'s graph and shares its parameters and buffers."""
+    old = graph_module.graph
+    regions = [(i, r, _region_nodes(old, plan.stage_nodes, r)) for i, r in enumerate(plan.regions)]
+    regions = [(i, r, nodes) for i, r, nodes in regions if nodes]
+    first_of = {nodes[0]: (i, r, nodes) for i, r, nodes in regions}
+    skipped = {n for _, _, nodes in regions for n in nodes}
+    new = fx.Graph()
+    new._codegen = copy.deepcopy(old._codegen)
+    env: dict[fx.Node, fx.Node] = {}
+    holder = torch.nn.Module()
+    for n in old.nodes:
+        if n in first_of:
+            i, region, nodes = first_of[n]
+            body, inputs, outputs = _build_body(nodes, set(region.cached_nodes))
+            name = f"region_{i}"
+            setattr(holder, name, CheckpointRegion(body, plan.stage_names[region.start:region.stop],
+                                                   region.cached_nodes))
+            call = new.call_module(name, tuple(env[x] for x in inputs))
+            for j, out in enumerate(outputs):
+                env[out] = new.call_function(operator.getitem, (call, j))
+                env[out]._rename(out.name)
+                env[out].meta = dict(out.meta)
+        elif n not in skipped:
+            env[n] = new.node_copy(n, lambda x: env[x])
+    for name, region in holder.named_children():
+        graph_module.add_submodule(name, region)
+    try:
+        result = fx.GraphModule(graph_module, new, class_name="PlannedModule")
+    finally:
+        for name, _ in holder.named_children():
+            delattr(graph_module, name)
+    for attr in ("_in_spec", "_out_spec"):
+        if hasattr(graph_module, attr):
+            setattr(result, attr, getattr(graph_module, attr))
+    result.recompile()
+    return result
+

@@ -1,0 +1,108 @@
+"""The execution model on hand-built problems, checked against what PyTorch does (worked out by hand)."""
+
+import pytest
+
+from planner.problem import (Phase, Problem, RecomputeOption, Region, Schedule, Stage, TensorInfo, liveness,
+                             simulate)
+
+
+def chain(n=4, act=100, boundary=10, grads=0, fixed=1000):
+    """n stages; stage i makes a boundary tensor read by i+1 and an activation it saves itself."""
+    stages = tuple(Stage(f"s{i}", 1.0, 2.0, grad_bytes=grads, options=(
+        RecomputeOption("all", frozenset(), 1.0), RecomputeOption("cache", frozenset({f"a{i}"}), 0.25)))
+        for i in range(n))
+    tensors = []
+    for i in range(n):
+        tensors.append(TensorInfo(f"a{i}", act, producer=i, savers=frozenset({i}), node=f"a{i}"))
+        if i < n - 1:
+            tensors.append(TensorInfo(f"x{i}", boundary, producer=i, consumers=frozenset({i + 1}),
+                                      savers=frozenset({i + 1}), node=f"x{i}"))
+    return Problem(stages, tuple(tensors), fixed_bytes=fixed)
+
+
+def test_store_all_keeps_every_saved_tensor_until_its_backward():
+    problem = chain()
+    result = simulate(problem, Schedule())
+    # all activations (4 x 100) and boundaries (3 x 10) are alive at the end of the forward
+    assert result.peak_bytes == 1000 + 400 + 30
+    assert result.recompute_seconds == 0
+    assert result.step_seconds == pytest.approx(12.0)
+
+
+def test_uniform_keeps_boundaries_and_recomputes_one_stage_at_a_time():
+    problem = chain()
+    result = simulate(problem, Schedule.uniform(4))
+    events = {(e.phase, e.stage): e.total_bytes for e in result.events}
+    assert events[(Phase.FORWARD, 3)] == 1000 + 30  # boundaries held by the next region
+    assert events[(Phase.RECOMPUTE, 3)] == 1000 + 30 + 100
+    assert events[(Phase.BACKWARD, 0)] == 1000 + 100  # x0.. freed as their regions finish
+    assert result.peak_bytes == 1130
+    assert result.recompute_seconds == pytest.approx(4.0)
+
+
+def test_merged_region_recomputes_all_of_its_stages_at_once():
+    problem = chain()
+    result = simulate(problem, Schedule((Region(0, 3),)))
+    recompute = next(e for e in result.events if e.phase is Phase.RECOMPUTE)
+    # stage 3's backward already freed a3 and x2; the region recomputes a0..a2 and x0, x1 at once
+    assert recompute.activation_bytes == 300 + 20
+    assert result.recompute_seconds == pytest.approx(3.0)
+
+
+def test_cached_nodes_are_kept_from_the_forward_and_not_recomputed():
+    problem = chain()
+    schedule = Schedule((Region(1, 2, (1,)),))
+    life = liveness(problem, schedule, next(t for t in problem.tensors if t.name == "a1"))
+    assert life.held_from == 1 and life.copy_range is None
+    assert simulate(problem, schedule).recompute_seconds == pytest.approx(0.25)
+
+
+def test_output_still_held_is_recomputed_as_a_second_copy():
+    stages = (Stage("a", 1, 1), Stage("b", 1, 1))
+    shared = TensorInfo("h", 100, producer=0, consumers=frozenset({1}), savers=frozenset({0, 1}), node="h",
+                        is_output=True)
+    problem = Problem(stages, (shared,))
+    life = liveness(problem, Schedule((Region(0, 1),)), shared)
+    assert life.held_from == 0  # the caller holds the output
+    assert life.copy_range == (0, 0)  # and the recomputation of stage 0 makes it again
+    recompute = next(e for e in simulate(problem, Schedule((Region(0, 1),))).events if e.phase is Phase.RECOMPUTE)
+    assert recompute.activation_bytes == 200
+
+
+def test_stage_internal_temporaries_belong_to_the_workspace():
+    stages = (Stage("a", 1, 1, forward_workspace_bytes=7),)
+    temp = TensorInfo("tmp", 500, producer=0, node="tmp")
+    result = simulate(Problem(stages, (temp,)), Schedule())
+    assert result.events[0].total_bytes == 7
+
+
+def test_model_outputs_stay_alive_through_the_backward():
+    stages = (Stage("a", 1, 1),)
+    out = TensorInfo("logits", 64, producer=0, node="n", is_output=True)
+    result = simulate(Problem(stages, (out,)), Schedule.uniform(1))
+    assert all(e.activation_bytes >= 64 for e in result.events)
+
+
+def test_gradients_accumulate_over_the_backward():
+    problem = chain(grads=5)
+    backward = [e for e in simulate(problem, Schedule()).events if e.phase is Phase.BACKWARD]
+    assert [e.gradient_bytes for e in backward] == [5, 10, 15, 20]
+
+
+def test_invalid_schedules_and_problems_are_rejected():
+    with pytest.raises(ValueError):
+        Schedule((Region(0, 2), Region(1, 3)))
+    with pytest.raises(ValueError):
+        Region(2, 2)
+    with pytest.raises(ValueError):
+        simulate(chain(), Schedule((Region(0, 9),)))
+    with pytest.raises(ValueError):
+        simulate(chain(), Schedule((Region(0, 1, (5,)),)))
+    with pytest.raises(ValueError):
+        Problem((Stage("a", 1, 1),), (TensorInfo("t", 1, producer=3),))
+
+
+def test_is_chain():
+    assert chain().is_chain()
+    skip = TensorInfo("skip", 1, producer=0, consumers=frozenset({3}), node="s")
+    assert not Problem(chain().stages, chain().tensors + (skip,)).is_chain()
