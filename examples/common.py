@@ -1,0 +1,140 @@
+"""Shared pieces of the example models.
+
+Every model module in this package exposes ``build(size="test", seed=0) -> Example``.
+``size`` is ``"test"`` (a forward+backward well under 0.5 s on a 2-core CPU, saved
+activations several times the parameter bytes) or ``"demo"`` (a step of roughly
+0.5-2 s on the same machine).  Weights are random; nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+import torch
+
+SIZES = ("test", "demo")
+
+
+@dataclass(frozen=True)
+class Example:
+    """A model ready for one training step.
+
+    name: registry name of the example.
+    model: the module, in train mode.
+    example_inputs: positional inputs, ``model(*example_inputs, **example_kwargs)``.
+    example_kwargs: keyword inputs.
+    loss_fn: turns the model's output into a scalar loss tensor.
+    block_path: dotted path (from ``model``) of the ModuleList/Sequential that
+        holds the repeated blocks, e.g. ``"transformer.h"``.
+    """
+
+    name: str
+    model: torch.nn.Module
+    example_inputs: tuple
+    example_kwargs: dict
+    loss_fn: Callable[[Any], torch.Tensor]
+    block_path: str
+
+    def run(self, model: torch.nn.Module | None = None) -> torch.Tensor:
+        """Forward through ``model`` (default: ``self.model``) and return the loss."""
+        m = self.model if model is None else model
+        return self.loss_fn(m(*self.example_inputs, **self.example_kwargs))
+
+    def blocks(self) -> torch.nn.Module:
+        """The container named by ``block_path``."""
+        return self.model.get_submodule(self.block_path)
+
+
+def check_size(size: str) -> str:
+    if size not in SIZES:
+        raise ValueError(f"unknown size {size!r}; expected one of {SIZES}")
+    return size
+
+
+@contextlib.contextmanager
+def seeded(seed: int) -> Iterator[None]:
+    """Run the body with the global CPU RNG seeded, restoring it afterwards."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        yield
+
+
+def generator(seed: int) -> torch.Generator:
+    """A CPU generator for example inputs / targets (does not touch the global RNG)."""
+    g = torch.Generator()
+    g.manual_seed(seed)
+    return g
+
+
+def _lazy(module: str) -> Callable[..., Example]:
+    def build(size: str = "test", seed: int = 0) -> Example:
+        return importlib.import_module(f"examples.{module}").build(size=size, seed=seed)
+
+    build.__name__ = f"build_{module}"
+    build.__qualname__ = build.__name__
+    build.__doc__ = f"Lazily import ``examples.{module}`` and call its ``build``."
+    return build
+
+
+EXAMPLES: dict[str, Callable[..., Example]] = {
+    name: _lazy(name) for name in ("largeblock", "gpt2", "llama", "resnet", "unet")
+}
+
+
+def build_example(name: str, size: str = "test", seed: int = 0) -> Example:
+    """Build the registered example ``name`` at ``size``."""
+    try:
+        build = EXAMPLES[name]
+    except KeyError:
+        raise KeyError(f"unknown example {name!r}; known: {sorted(EXAMPLES)}") from None
+    return build(size=size, seed=seed)
+
+
+# --------------------------------------------------------------------------- measuring
+
+
+def param_bytes(model: torch.nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def saved_activation_bytes(ex: Example) -> int:
+    """Bytes of the unique storages autograd saves for backward in one forward,
+    excluding parameter storages.  A rough measure (it runs the real forward
+    once and so advances the RNG and BatchNorm statistics)."""
+    param_storages = {p.untyped_storage().data_ptr() for p in ex.model.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        s = t.untyped_storage()
+        ptr = s.data_ptr()
+        if ptr not in param_storages and ptr not in seen:
+            seen[ptr] = s.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = ex.run()
+    del loss
+    return sum(seen.values())
+
+
+def train_demo(build: Callable[..., Example], size: str = "demo", steps: int = 3,
+               lr: float = 1e-3) -> None:
+    """Build ``size`` and run ``steps`` AdamW training steps, printing loss and time."""
+    ex = build(size=size)
+    n_params = sum(p.numel() for p in ex.model.parameters())
+    print(f"{ex.name} ({size}): {n_params:,} parameters, "
+          f"{param_bytes(ex.model) / 2**20:.2f} MiB; blocks at {ex.block_path!r} "
+          f"({len(ex.blocks())} blocks)")
+    opt = torch.optim.AdamW(ex.model.parameters(), lr=lr)
+    for step in range(steps):
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        loss = ex.run()
+        loss.backward()
+        opt.step()
+        dt = time.perf_counter() - t0
+        print(f"step {step}: loss {loss.item():.4f}  time {dt:.3f} s")
