@@ -29,7 +29,7 @@ from typing import Sequence
 
 import torch.fx as fx
 
-from .problem import Problem, RecomputeOption, Schedule, Stage, TensorInfo, simulate
+from .problem import Phase, Problem, RecomputeOption, Schedule, Stage, TensorInfo, simulate
 from .profile import GraphProfile, NodeProfile, StageMeasurement
 
 CACHE_SHARES = (0.25, 0.5, 0.75, 1.0)
@@ -75,7 +75,8 @@ def _runs(nodes: Sequence[NodeProfile], depth: int) -> list[list[NodeProfile]]:
 
 
 def _weight(run: Sequence[NodeProfile]) -> float:
-    return sum(n.seconds for n in run) + 1e-12 * sum(n.created_bytes for n in run)
+    """Work of a run, from what does not vary between runs: FLOPs plus bytes written (memory-bound ops)."""
+    return float(sum(n.flops + n.created_bytes for n in run))
 
 
 def partition_stages(profile: GraphProfile, *, max_stages: int = 64, min_share: float = 0.25) -> list[StageSpec]:
@@ -119,7 +120,7 @@ def partition_stages(profile: GraphProfile, *, max_stages: int = 64, min_share: 
 
 def _stage_name(run: Sequence[NodeProfile], depth: int) -> str:
     keys = Counter(_key(n.module_path, depth) for n in run)
-    heaviest = max(keys, key=lambda k: sum(n.seconds for n in run if _key(n.module_path, depth) == k))
+    heaviest = max(keys, key=lambda k: _weight([n for n in run if _key(n.module_path, depth) == k]))
     return heaviest or "<root>"
 
 
@@ -195,19 +196,25 @@ def build_problem(profile: GraphProfile, stages: Sequence[StageSpec], *, random_
     grads = Counter()
     for param, stage in grad_stage.items():
         grads[stage] += profile.param_grad_bytes.get(param, 0)
+    output_grads = Counter()
+    for n in profile.nodes:
+        for record in n.created:
+            if record.requires_grad and readers.get(record.key, set()) - {stage_of[n.name]}:
+                output_grads[stage_of[n.name]] += record.nbytes
     built = []
     for i, spec in enumerate(stages):
         nodes = [by_name[x] for x in spec.nodes]
         built.append(Stage(spec.name, forward_seconds=sum(n.seconds for n in nodes), backward_seconds=0.0,
-                           grad_bytes=grads[i], options=recompute_options(nodes, random_nodes)))
+                           grad_bytes=grads[i], output_grad_bytes=output_grads[i],
+                           options=recompute_options(nodes, random_nodes)))
     return Problem(tuple(built), tuple(tensors), profile.fixed_bytes + extra_fixed_bytes, name)
 
 
 def calibrate(problem: Problem, measured: StageMeasurement) -> Problem:
     """Set workspaces and backward times so that the model reproduces the measured eager step stage by stage."""
     events = simulate(problem, Schedule.store_all(problem.num_stages)).events
-    forward = {e.stage: e for e in events if e.phase.value == "forward"}
-    backward = {e.stage: e for e in events if e.phase.value == "backward"}
+    forward = {e.stage: e for e in events if e.phase is Phase.FORWARD}
+    backward = {e.stage: e for e in events if e.phase is Phase.BACKWARD}
     stages = []
     for k, stage in enumerate(problem.stages):
         fwd_ws = max(0, measured.forward_peak[k] - forward[k].activation_bytes)

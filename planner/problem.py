@@ -15,12 +15,17 @@ carries. The rules, for a tensor ``t`` produced by stage ``p``:
   stage's forward workspace, not counted on its own;
 * holders, each releasing ``t`` after the backward of a stage ``h``: a stored stage that saves ``t`` (``h`` = that
   stage); a region that reads ``t`` from outside (checkpoint keeps its inputs; ``h`` = the region's first stage);
-  the selective-checkpoint cache of ``p``'s region (``h`` = the first stage of the region that saves ``t``, else its
-  last stage); a model output (``h`` = 0, alive throughout);
-* backward: at stage ``k``'s backward, ``t`` is alive when some holder has ``h <= k``;
+  the selective-checkpoint cache of ``p``'s region (``h`` = the first stage of the region that saves ``t``; when no
+  stage there saves it, the region's recomputation consumes and frees it); a model output (``h`` = -1: the caller
+  holds it throughout);
+* backward: at the start of stage ``k``'s backward, ``t`` is alive when some holder has ``h <= k``; a stage's
+  backward frees what only it held as it goes, so its peak is taken as what outlives it (holders ``h <= k - 1``,
+  recomputed copies still needed by earlier stages of its region) plus a measured *backward workspace* (its own
+  saved tensors not yet freed, activation gradients, temporaries), whichever of the two moments is higher;
 * recomputation: when the backward reaches the last stage of a region, the region is re-run and every tensor its
   stages save is materialised again (a second copy if the original is still held elsewhere, no copy if cached);
-  each copy lives until the backward of the first stage in the region that saves it;
+  each copy lives until the backward of the first stage in the region that saves it; meanwhile the gradients of
+  the region's outputs are alive;
 * gradients of parameters appear during the backward of the stage that uses them last and stay.
 
 Workspaces (temporaries, activation gradients in flight) are per stage and come from measurement.
@@ -58,7 +63,8 @@ class Stage:
     """A contiguous run of graph nodes, measured.
 
     ``options`` lists the ways to recompute it; when empty, the one way is to recompute everything.
-    ``grad_bytes`` counts parameter gradients first produced during this stage's backward.
+    ``grad_bytes`` counts parameter gradients first produced during this stage's backward;
+    ``output_grad_bytes`` the gradients of its outputs that later stages send back (alive while it is recomputed).
     """
 
     name: str
@@ -69,6 +75,7 @@ class Stage:
     backward_workspace_bytes: int = 0
     recompute_workspace_bytes: int | None = None
     options: tuple[RecomputeOption, ...] = ()
+    output_grad_bytes: int = 0
 
     @property
     def recompute_options(self) -> tuple[RecomputeOption, ...]:
@@ -193,6 +200,7 @@ class Schedule:
 class Phase(enum.Enum):
     FORWARD = "forward"
     RECOMPUTE = "recompute"
+    BACKWARD_START = "backward_start"
     BACKWARD = "backward"
 
 
@@ -232,9 +240,20 @@ class Evaluation:
 class _Liveness:
     """Per tensor: forward interval end (inclusive), first backward stage holding it, recomputed-copy range."""
 
-    held_from: int | None  # alive at backward stage k when k >= held_from
+    held_from: int | None  # alive at the start of stage k's backward when k >= held_from, after it when k > it
     forward_until: int  # alive at forward stage k for producer <= k <= forward_until
     copy_range: tuple[int, int] | None  # alive at backward stage k for lo <= k <= hi (a recomputed copy)
+    consumed_at: int | None = None  # cached, freed by the recomputation of the region ending at this stage
+
+    def alive_at_start(self, k: int) -> bool:
+        """Held (not counting recomputed copies) when stage ``k``'s backward starts."""
+        return (self.held_from is not None and k >= self.held_from) or \
+            (self.consumed_at is not None and k > self.consumed_at)
+
+    def alive_after(self, k: int) -> bool:
+        """Held (not counting recomputed copies) once stage ``k``'s backward is done."""
+        return (self.held_from is not None and k > self.held_from) or \
+            (self.consumed_at is not None and k > self.consumed_at)
 
 
 def cached_nodes_of(problem: Problem, schedule: Schedule) -> set[str]:
@@ -254,25 +273,28 @@ def liveness(problem: Problem, schedule: Schedule, tensor: TensorInfo) -> _Liven
     cached = home is not None and tensor.node in _stage_cached(problem, schedule, tensor.producer)
     holders: list[int] = []
     if tensor.is_output:
-        holders.append(0)
+        holders.append(-1)
     holders += [s for s in tensor.savers if owner[s] is None]
     holders += [regions[owner[c]].start for c in tensor.consumers if owner[c] is not None and owner[c] != home]
     copy_range = None
+    consumed_at = None
     if home is not None:
         region = regions[home]
         inside = [s for s in tensor.savers if owner[s] == home]
-        if cached:
-            holders.append(min(inside) if inside else region.stop - 1)
+        if cached and inside:
+            holders.append(min(inside))
+        elif cached:
+            consumed_at = region.stop - 1
         elif inside:
             copy_range = (min(inside), region.stop - 1)
     held_from = min(holders) if holders else None
-    if held_from is not None:
+    if held_from is not None or consumed_at is not None:
         forward_until = problem.num_stages - 1
     elif tensor.last_forward_use > tensor.producer:
         forward_until = tensor.last_forward_use
     else:
         forward_until = tensor.producer - 1  # stage-internal: covered by the forward workspace
-    return _Liveness(held_from, forward_until, copy_range)
+    return _Liveness(held_from, forward_until, copy_range, consumed_at)
 
 
 def _stage_cached(problem: Problem, schedule: Schedule, stage: int) -> frozenset[str]:
@@ -291,15 +313,19 @@ def simulate(problem: Problem, schedule: Schedule) -> Evaluation:
             if not 0 <= r.option_of(k) < len(problem.stages[k].recompute_options):
                 raise ValueError(f"stage {k} has no option {r.option_of(k)}")
     forward = [0] * n
-    held = [0] * n
+    held_start = [0] * n  # bytes held when stage k's backward starts
+    held_after = [0] * n  # bytes held once stage k's backward is done
+    consumed = [0] * n  # cached bytes the recomputation of the region ending at k consumes
     copies = [0] * n
     for t in problem.tensors:
         live = liveness(problem, schedule, t)
         for k in range(t.producer, live.forward_until + 1):
             forward[k] += t.nbytes
-        if live.held_from is not None:
-            for k in range(live.held_from, n):
-                held[k] += t.nbytes
+        for k in range(n):
+            held_start[k] += t.nbytes * live.alive_at_start(k)
+            held_after[k] += t.nbytes * live.alive_after(k)
+        if live.consumed_at is not None:
+            consumed[live.consumed_at] += t.nbytes
         if live.copy_range is not None:
             for k in range(live.copy_range[0], live.copy_range[1] + 1):
                 copies[k] += t.nbytes
@@ -309,16 +335,21 @@ def simulate(problem: Problem, schedule: Schedule) -> Evaluation:
         events.append(MemoryEvent(Phase.FORWARD, k, problem.fixed_bytes + forward[k] + ws, forward[k], 0, ws))
     grads = 0
     region_end = {r.stop - 1: r for r in schedule.regions}
+    fixed = problem.fixed_bytes
     for k in reversed(range(n)):
+        start = held_start[k] + copies[k]
         if k in region_end:
             region = region_end[k]
-            ws = max(problem.stages[j].recompute_workspace for j in region.stages)
-            act = held[k] + copies[k]
-            events.append(MemoryEvent(Phase.RECOMPUTE, k, problem.fixed_bytes + act + grads + ws, act, grads, ws))
+            ws = max(problem.stages[j].recompute_workspace for j in region.stages) \
+                + problem.stages[k].output_grad_bytes
+            act = start + consumed[k]
+            events.append(MemoryEvent(Phase.RECOMPUTE, k, fixed + act + grads + ws, act, grads, ws))
+        events.append(MemoryEvent(Phase.BACKWARD_START, k, fixed + start + grads, start, grads, 0))
         grads += problem.stages[k].grad_bytes
         ws = problem.stages[k].backward_workspace_bytes
-        act = held[k] + copies[k]
-        events.append(MemoryEvent(Phase.BACKWARD, k, problem.fixed_bytes + act + grads + ws, act, grads, ws))
+        same_region = k > 0 and owner[k] is not None and owner[k - 1] == owner[k]
+        after = held_after[k] + (copies[k - 1] if same_region else 0)
+        events.append(MemoryEvent(Phase.BACKWARD, k, fixed + after + grads + ws, after, grads, ws))
     recompute = sum(problem.stages[k].recompute_options[schedule.regions[owner[k]].option_of(k)].recompute_seconds
                     for k in range(n) if owner[k] is not None)
     base = sum(s.forward_seconds + s.backward_seconds for s in problem.stages)

@@ -44,6 +44,7 @@ class StorageRecord:
     key: int
     nbytes: int
     survives: bool
+    requires_grad: bool = False
 
 
 @dataclass(frozen=True)
@@ -148,7 +149,9 @@ class ProfilingInterpreter(fx.Interpreter):
             out = n.target(*args, **kwargs)
         new_keys = self.tracker.created[start:]
         alive = set(self.tracker.keys.values())
-        created = tuple(StorageRecord(k, self.tracker.sizes[k], k in alive) for k in new_keys)
+        differentiable = {self.tracker.key_of(t) for t in tree_leaves(out)
+                          if isinstance(t, torch.Tensor) and t.requires_grad}
+        created = tuple(StorageRecord(k, self.tracker.sizes[k], k in alive, k in differentiable) for k in new_keys)
         reads = frozenset(k for k in (self.tracker.key_of(t) for t in in_tensors) if k is not None)
         params = frozenset(self.param_storages[id(t.untyped_storage())] for t in in_tensors
                            if id(t.untyped_storage()) in self.param_storages)

@@ -42,8 +42,16 @@ def planner_cache_off() -> None:
     _STATE.caching = False
 
 
+def _returns_view(op) -> bool:
+    schema = getattr(op, "_schema", None)
+    return schema is not None and any(r.alias_info is not None for r in schema.returns)
+
+
 def _cache_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    return CheckpointPolicy.MUST_SAVE if _flag("caching") else CheckpointPolicy.PREFER_RECOMPUTE
+    """Save what cached nodes allocate; views are free to recompute and caching one would pin its base."""
+    if _flag("caching") and not _returns_view(op):
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def planner_batch_norm(input, weight, bias, running_mean, running_var, training, momentum, eps, cudnn_enabled):
@@ -83,8 +91,10 @@ class CheckpointRegion(torch.nn.Module):
 
     def forward(self, *args: Any) -> Any:
         try:
+            # early_stop=False: the recomputation runs to the end of the region, so it consumes every cached
+            # value (an early stop would leave cache entries alive through the region's backward).
             return checkpoint(self.body, *args, use_reentrant=False, context_fn=self._contexts,
-                              preserve_rng_state=True)
+                              preserve_rng_state=True, early_stop=False)
         finally:
             planner_cache_off()
 

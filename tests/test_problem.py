@@ -35,7 +35,8 @@ def test_uniform_keeps_boundaries_and_recomputes_one_stage_at_a_time():
     events = {(e.phase, e.stage): e.total_bytes for e in result.events}
     assert events[(Phase.FORWARD, 3)] == 1000 + 30  # boundaries held by the next region
     assert events[(Phase.RECOMPUTE, 3)] == 1000 + 30 + 100
-    assert events[(Phase.BACKWARD, 0)] == 1000 + 100  # x0.. freed as their regions finish
+    assert events[(Phase.BACKWARD_START, 0)] == 1000 + 100  # x0.. freed as their regions finish
+    assert events[(Phase.BACKWARD, 0)] == 1000  # what outlives stage 0's backward, plus its workspace (0)
     assert result.peak_bytes == 1130
     assert result.recompute_seconds == pytest.approx(4.0)
 
@@ -63,7 +64,7 @@ def test_output_still_held_is_recomputed_as_a_second_copy():
                         is_output=True)
     problem = Problem(stages, (shared,))
     life = liveness(problem, Schedule((Region(0, 1),)), shared)
-    assert life.held_from == 0  # the caller holds the output
+    assert life.held_from == -1  # the caller holds the output
     assert life.copy_range == (0, 0)  # and the recomputation of stage 0 makes it again
     recompute = next(e for e in simulate(problem, Schedule((Region(0, 1),))).events if e.phase is Phase.RECOMPUTE)
     assert recompute.activation_bytes == 200
@@ -81,6 +82,18 @@ def test_model_outputs_stay_alive_through_the_backward():
     out = TensorInfo("logits", 64, producer=0, node="n", is_output=True)
     result = simulate(Problem(stages, (out,)), Schedule.uniform(1))
     assert all(e.activation_bytes >= 64 for e in result.events)
+
+
+def test_backward_peak_is_what_outlives_the_stage_plus_its_workspace():
+    problem = chain()
+    stages = tuple(s if i != 2 else Stage(s.name, 1.0, 2.0, backward_workspace_bytes=500, options=s.options)
+                   for i, s in enumerate(problem.stages))
+    result = simulate(Problem(stages, problem.tensors, problem.fixed_bytes), Schedule())
+    stage2 = [e for e in result.events if e.stage == 2 and e.phase in (Phase.BACKWARD_START, Phase.BACKWARD)]
+    # start: a0..a2, x0 and x1 (x2 went with stage 3); what outlives stage 2: a0, a1 and x0 (x1 is saved only by
+    # stage 2), plus stage 2's measured workspace
+    assert stage2[0].total_bytes == 1000 + 300 + 20
+    assert stage2[1].total_bytes == 1000 + 200 + 10 + 500
 
 
 def test_gradients_accumulate_over_the_backward():

@@ -1,0 +1,55 @@
+"""Shared test helpers: one measured training step, compared parameter by parameter."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from planner.meter import LiveMemoryMeter, storage_bytes
+
+
+@dataclass
+class StepResult:
+    loss: torch.Tensor
+    grads: dict[str, torch.Tensor]
+    buffers: dict[str, torch.Tensor]
+    peak_bytes: int
+
+
+def training_step(model: torch.nn.Module, run, inputs, *, owner: torch.nn.Module | None = None,
+                  seed: int = 0) -> StepResult:
+    """Run ``run(model)`` (forward + loss) and backward under a live-storage meter; restore buffers afterwards.
+
+    ``owner`` is the module whose parameters and buffers are reported (the caller's model).
+    """
+    owner = owner or model
+    params = dict(owner.named_parameters())
+    buffers_before = {k: b.detach().clone() for k, b in owner.named_buffers()}
+    for p in params.values():
+        p.grad = None
+    fixed = storage_bytes(list(params.values()) + list(owner.buffers())
+                          + [t for t in inputs if isinstance(t, torch.Tensor)])
+    torch.manual_seed(seed)
+    with LiveMemoryMeter() as meter:
+        loss = run(model)
+        loss.backward()
+    grads = {k: p.grad.detach().clone() for k, p in params.items() if p.grad is not None}
+    buffers = {k: b.detach().clone() for k, b in owner.named_buffers()}
+    with torch.no_grad():
+        for k, b in owner.named_buffers():
+            b.copy_(buffers_before[k])
+    for p in params.values():
+        p.grad = None
+    return StepResult(loss.detach(), grads, buffers, fixed + meter.peak_bytes)
+
+
+def assert_same_training(a: StepResult, b: StepResult, *, atol: float = 1e-5) -> None:
+    """Loss, every gradient and every buffer equal (allclose at ``atol``)."""
+    torch.testing.assert_close(a.loss, b.loss, atol=atol, rtol=atol)
+    assert a.grads.keys() == b.grads.keys()
+    for name in a.grads:
+        torch.testing.assert_close(a.grads[name], b.grads[name], atol=atol, rtol=atol, msg=f"gradient of {name}")
+    assert a.buffers.keys() == b.buffers.keys()
+    for name in a.buffers:
+        torch.testing.assert_close(a.buffers[name], b.buffers[name], atol=atol, rtol=atol, msg=f"buffer {name}")
