@@ -99,7 +99,11 @@ def flat_call_args(captured: CapturedGraph, args: tuple, kwargs: dict) -> list[A
     if in_spec is None:
         return list(args)
     from torch.export._tree_utils import reorder_kwargs
-    leaves, spec = tree_flatten((args, reorder_kwargs(kwargs, in_spec)))
+    try:
+        leaves, spec = tree_flatten((args, reorder_kwargs(kwargs, in_spec)))
+    except ValueError as exc:
+        raise PlannerError(f"inputs do not have the structure the plan was made for: {exc}",
+                           hint="call the optimized module with the same arguments as the example inputs") from exc
     if spec != in_spec:
         raise PlannerError(f"inputs have structure {spec}, but the plan was made for {in_spec}",
                            hint="call the optimized module with the same arguments as the example inputs")

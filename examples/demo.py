@@ -1,0 +1,129 @@
+"""The README's demo: plan a GPT-2 for half its eager peak memory, train it, and compare with the alternatives.
+
+Run from the repository root::
+
+    python -m examples.demo            # GPT-2 "demo" size (about a minute on 2 CPU cores)
+    python -m examples.demo --size test --steps 2
+
+It prints, for eager training, Hugging Face's ``gradient_checkpointing_enable`` (every layer checkpointed) and
+``planner.optimize`` at 50% of the eager peak and at the memory uniform checkpointing reaches: the measured peak
+memory of one step (a live-storage meter, parameters and gradients included), the median step time over
+interleaved repeats, and the losses, which agree with eager training.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+import planner
+from planner.budget import format_bytes
+from planner.meter import LiveMemoryMeter, storage_bytes
+
+from .common import build_example
+
+
+def measure(example, module, *, seed: int) -> tuple[int, float, float]:
+    """Peak bytes, seconds and loss of one training step of ``module``."""
+    model = example.model
+    for p in model.parameters():
+        p.grad = None
+    fixed = storage_bytes(list(model.parameters()) + list(model.buffers())
+                          + [t for t in example.example_inputs if isinstance(t, torch.Tensor)])
+    torch.manual_seed(seed)
+    start = time.perf_counter()
+    with LiveMemoryMeter() as meter:
+        loss = example.loss_fn(module(*example.example_inputs, **example.example_kwargs))
+        loss.backward()
+    seconds = time.perf_counter() - start
+    for p in model.parameters():
+        p.grad = None
+    return fixed + meter.peak_bytes, seconds, loss.item()
+
+
+def timed(example, module, repeats: int) -> float:
+    """Median seconds of ``repeats`` training steps (no meter)."""
+    samples = []
+    for i in range(repeats):
+        torch.manual_seed(i)
+        start = time.perf_counter()
+        example.loss_fn(module(*example.example_inputs, **example.example_kwargs)).backward()
+        samples.append(time.perf_counter() - start)
+    for p in example.model.parameters():
+        p.grad = None
+    return statistics.median(samples)
+
+
+class HFCheckpointed(torch.nn.Module):
+    """The model with Hugging Face's gradient checkpointing switched on only while it runs."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, *args, **kwargs):
+        self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        try:
+            return self.model(*args, **kwargs)
+        finally:
+            self.model.gradient_checkpointing_disable()
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size", default="demo", choices=["test", "demo"])
+    parser.add_argument("--steps", type=int, default=3, help="training steps with AdamW on the planned model")
+    parser.add_argument("--repeats", type=int, default=5, help="timed steps per method")
+    args = parser.parse_args(argv)
+
+    example = build_example("gpt2", size=args.size)
+    model = example.model
+    params = sum(p.numel() for p in model.parameters())
+    print(f"GPT-2 ({args.size}): {params / 1e6:.2f} M parameters, batch {tuple(example.example_inputs[0].shape)}")
+
+    eager_peak, _, eager_loss = measure(example, model, seed=0)
+    uniform = HFCheckpointed(model)
+    uniform_peak, _, uniform_loss = measure(example, uniform, seed=0)
+
+    start = time.perf_counter()
+    half = planner.optimize(model, "50%", example.example_inputs, example_kwargs=example.example_kwargs,
+                            loss_fn=example.loss_fn)
+    plan_seconds = time.perf_counter() - start
+    at_uniform = planner.optimize(model, uniform_peak, example.example_inputs,
+                                  example_kwargs=example.example_kwargs, loss_fn=example.loss_fn)
+    print(half.plan.summary())
+    rows = [("eager", model, eager_peak, eager_loss), ("HF gradient checkpointing", uniform, uniform_peak,
+                                                       uniform_loss)]
+    for name, opt in (("planner @ 50% of eager", half), ("planner @ uniform's memory", at_uniform)):
+        peak, _, loss = measure(example, opt, seed=0)
+        rows.append((name, opt, peak, loss))
+
+    times = {name: [] for name, *_ in rows}
+    for _ in range(args.repeats):  # interleaved, so load on the machine hits every method alike
+        for name, module, *_ in rows:
+            times[name].append(timed(example, module, 1))
+    eager_time = statistics.median(times["eager"])
+    print(f"\n{'method':28s} {'peak memory':>12s} {'vs eager':>9s} {'step time':>10s} {'vs eager':>9s} "
+          f"{'loss':>9s}")
+    for name, _, peak, loss in rows:
+        step = statistics.median(times[name])
+        print(f"{name:28s} {format_bytes(peak):>12s} {peak / eager_peak:>8.0%} {step * 1e3:>8.0f}ms "
+              f"{step / eager_time:>8.2f}x {loss:>9.5f}")
+    print(f"\nplanning took {plan_seconds:.1f}s (capture, profile, solve); "
+          f"predicted peak {format_bytes(half.plan.predicted_peak_bytes)}, budget "
+          f"{format_bytes(half.plan.budget_bytes)}")
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for step in range(args.steps):
+        optimizer.zero_grad(set_to_none=True)
+        loss = example.loss_fn(half(*example.example_inputs, **example.example_kwargs))
+        loss.backward()
+        optimizer.step()
+        print(f"step {step}: loss {loss.item():.4f}")
+
+
+if __name__ == "__main__":
+    main()

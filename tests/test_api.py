@@ -1,0 +1,123 @@
+import json
+
+import pytest
+import torch
+
+import planner
+from planner.errors import InfeasibleBudgetError, PlannerError
+from tests.helpers import assert_same_training, training_step
+
+
+class Blocks(torch.nn.Module):
+    def __init__(self, n=4, width=32):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(width, 4 * width), torch.nn.GELU(),
+                                                              torch.nn.Linear(4 * width, width)) for _ in range(n))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = x + layer(x)
+        return x
+
+
+def _loss(out):
+    return out.pow(2).mean()
+
+
+@pytest.fixture()
+def model():
+    torch.manual_seed(0)
+    return Blocks()
+
+
+X = torch.randn(256, 32)
+
+
+def test_optimize_fits_the_budget_and_trains_the_callers_parameters(model):
+    eager = training_step(model, lambda m: _loss(m(X)), (X,))
+    opt = planner.optimize(model, "60%", example_inputs=(X,), loss_fn=_loss, profile_repeats=1)
+    plan = opt.plan
+    assert plan.budget_text == "60%" and plan.budget_bytes == int(0.6 * plan.eager_peak_bytes)
+    assert plan.predicted_peak_bytes <= plan.budget_bytes
+    assert {id(p) for p in opt.parameters()} == {id(p) for p in model.parameters()}
+    result = training_step(opt, lambda m: _loss(m(X)), (X,), owner=model)
+    assert result.peak_bytes <= plan.budget_bytes
+    assert_same_training(eager, result)
+
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)  # an optimizer made before optimize() still works
+    before = model.layers[0][0].weight.detach().clone()
+    _loss(opt(X)).backward()
+    optimizer.step()
+    assert not torch.equal(before, model.layers[0][0].weight)
+
+
+def test_without_example_inputs_it_plans_on_first_call_and_per_signature(model):
+    opt = planner.optimize(model, "70%", loss_fn=_loss, profile_repeats=1)
+    with pytest.raises(PlannerError, match="no plan yet"):
+        opt.plan
+    _loss(opt(X)).backward()
+    first = opt.plan
+    _loss(opt(X[:128])).backward()
+    assert opt.plan is not first and len(opt._planned) == 2
+    _loss(opt(X)).backward()
+    assert opt.plan is first  # cached per input signature
+    assert "region_" in opt.code or not first.regions
+
+
+def test_eval_and_no_grad_run_the_model_as_is(model):
+    opt = planner.optimize(model, "60%", example_inputs=(X,), loss_fn=_loss, profile_repeats=1)
+    with torch.no_grad():
+        assert torch.equal(opt(X), model(X))
+    opt.eval()
+    assert torch.equal(opt(X), model(X))
+    assert not model.training  # eval() reaches the caller's module
+
+
+def test_plan_then_apply_round_trips_through_json(model):
+    plan = planner.plan(model, "60%", (X,), loss_fn=_loss, profile_repeats=1)
+    again = planner.Plan.from_json(plan.to_json())
+    assert again == plan and again.fingerprint and again.torch_version == torch.__version__
+    opt = planner.apply(model, again, (X,))
+    assert_same_training(training_step(model, lambda m: _loss(m(X)), (X,)),
+                         training_step(opt, lambda m: _loss(m(X)), (X,), owner=model))
+    with pytest.raises(PlannerError, match="fingerprint"):
+        planner.apply(model, again, (X[:100],))
+    data = json.loads(plan.to_json())
+    data["fingerprint"] = "0" * 16
+    with pytest.raises(PlannerError, match="differ"):
+        planner.apply(model, planner.Plan.from_json(json.dumps(data)), (X,))
+
+
+def test_optimizer_state_counts_into_the_budget(model):
+    plain = planner.plan(model, "100%", (X,), loss_fn=_loss, profile_repeats=1)
+    adam = planner.plan(model, "100%", (X,), loss_fn=_loss, profile_repeats=1,
+                        optimizer=torch.optim.AdamW(model.parameters()))
+    params = sum(p.numel() * 4 for p in model.parameters())
+    assert adam.eager_peak_bytes - plain.eager_peak_bytes == pytest.approx(2 * params, rel=0.05)
+
+
+def test_impossible_budget_names_the_smallest_feasible_one(model):
+    with pytest.raises(InfeasibleBudgetError) as info:
+        planner.optimize(model, "1KB", example_inputs=(X,), loss_fn=_loss, profile_repeats=1)
+    error = info.value
+    assert error.minimum_budget_bytes and error.minimum_budget_bytes > 1000
+    text = str(error)
+    assert "eager peak" in text and "smallest peak" in text and "gradients" in text and "at least" in text
+    feasible = planner.plan(model, error.minimum_budget_bytes, (X,), loss_fn=_loss, profile_repeats=1)
+    assert feasible.predicted_peak_bytes <= error.minimum_budget_bytes
+
+
+@pytest.mark.parametrize("kwargs, fragment", [
+    (dict(budget="lots"), "not a size"),
+    (dict(budget="8GB", solver="magic"), "magic"),
+])
+def test_bad_arguments_raise_planner_error(model, kwargs, fragment):
+    with pytest.raises(PlannerError, match=fragment):
+        planner.optimize(model, example_inputs=(X,), loss_fn=_loss, profile_repeats=1, **kwargs)
+
+
+def test_inputs_that_do_not_fit_raise_planner_error(model):
+    with pytest.raises(PlannerError, match="could not capture"):
+        planner.optimize(model, "8GB", example_inputs=(torch.randn(4, 7),))
+    with pytest.raises(PlannerError, match="example inputs"):
+        planner.plan(model, "8GB")

@@ -1,0 +1,94 @@
+import pytest
+import torch
+
+from planner.capture import capture
+from planner.costmodel import build_problem, calibrate, is_random, partition_stages, recompute_options
+from planner.problem import Schedule, simulate
+from planner.profile import measure_stages, profile_graph
+from tests.helpers import training_step
+
+
+class Tower(torch.nn.Module):
+    """An embedding-like prefix, repeated blocks, and a head: the shape of most models."""
+
+    def __init__(self, blocks=4, width=32):
+        super().__init__()
+        self.stem = torch.nn.Linear(8, width)
+        self.blocks = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(width, 4 * width), torch.nn.GELU(),
+                                                              torch.nn.Dropout(0.1), torch.nn.Linear(4 * width, width))
+                                          for _ in range(blocks))
+        self.head = torch.nn.Linear(width, 1)
+
+    def forward(self, x):
+        h = self.stem(x)
+        for block in self.blocks:
+            h = h + block(h)
+        return self.head(h)
+
+
+@pytest.fixture(scope="module")
+def tower():
+    torch.manual_seed(0)
+    model = Tower()
+    x = torch.randn(128, 8)
+    captured = capture(model, (x,))
+    return model, x, captured, profile_graph(captured, repeats=1)
+
+
+def test_stages_follow_the_repeated_blocks(tower):
+    _, _, _, profile = tower
+    stages = partition_stages(profile)
+    assert [s.name for s in stages] == [f"blocks.{i}" for i in range(4)]  # stem and head are light: merged
+    assert sum(len(s.nodes) for s in stages) == len(profile.nodes)
+    assert len(partition_stages(profile, max_stages=2)) == 2
+
+
+def test_random_nodes_are_never_cached(tower):
+    _, _, captured, profile = tower
+    random_nodes = {n.name for n in captured.compute_nodes() if is_random(n)}
+    assert random_nodes and all(name.startswith("dropout") for name in random_nodes)
+    for stage in partition_stages(profile):
+        nodes = [profile.node(n) for n in stage.nodes]
+        options = recompute_options(nodes, random_nodes)
+        assert options[0].cached_nodes == frozenset() and options[0].name == "recompute_all"
+        assert len(options) > 1
+        forward = sum(n.seconds for n in nodes)
+        for option in options:
+            assert not option.cached_nodes & random_nodes
+            assert 0 <= option.recompute_seconds <= forward
+
+
+def test_sdpa_counts_as_random_only_with_dropout():
+    class Attn(torch.nn.Module):
+        def forward(self, q, p: float = 0.0):
+            return torch.nn.functional.scaled_dot_product_attention(q, q, q, dropout_p=p)
+
+    q = torch.randn(1, 2, 4, 8)
+    for p, expected in ((0.0, False), (0.2, True)):
+        captured = capture(Attn(), (q, p))
+        (node,) = [n for n in captured.compute_nodes() if "scaled_dot" in str(n.target)]
+        assert is_random(node) is expected
+
+
+def test_calibrated_problem_reproduces_the_measured_eager_step(tower):
+    model, x, captured, profile = tower
+    stages = partition_stages(profile)
+    problem = build_problem(profile, stages, random_nodes=set())
+    stage_of = {node: i for i, s in enumerate(stages) for node in s.nodes}
+    loss_fn = lambda out: out.pow(2).mean()  # noqa: E731
+    problem = calibrate(problem, measure_stages(captured, stage_of, len(stages), loss_fn=loss_fn, repeats=1))
+    eager = training_step(model, lambda m: loss_fn(m(x)), (x,))
+    predicted = simulate(problem, Schedule.store_all(problem.num_stages)).peak_bytes
+    assert predicted == pytest.approx(eager.peak_bytes, rel=0.02)
+    assert sum(s.grad_bytes for s in problem.stages) == sum(p.numel() * 4 for p in model.parameters())
+    assert all(s.backward_seconds > 0 for s in problem.stages)
+
+
+def test_tensors_know_their_readers_and_savers(tower):
+    _, _, _, profile = tower
+    stages = partition_stages(profile)
+    problem = build_problem(profile, stages, random_nodes=set())
+    crossing = [t for t in problem.tensors if t.consumers]
+    assert crossing and all(min(t.consumers) > t.producer for t in crossing)
+    assert any(t.is_output for t in problem.tensors)
+    assert all(t.savers <= set(range(problem.num_stages)) for t in problem.tensors)

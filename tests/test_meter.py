@@ -1,0 +1,75 @@
+import functools
+
+import torch
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from planner.meter import LiveMemoryMeter, measure_step_peak, storage_bytes
+
+MiB = 2**20
+
+
+def test_counts_new_storages_and_forgets_freed_ones():
+    with LiveMemoryMeter() as meter:
+        a = torch.empty(MiB // 4)  # 1 MiB of float32
+        b = torch.empty(MiB // 4)
+        assert meter.live_bytes == 2 * MiB
+        del a
+        assert meter.live_bytes == MiB
+        del b
+    assert meter.live_bytes == 0 and meter.peak_bytes == 2 * MiB
+
+
+def test_views_and_in_place_ops_are_not_allocations():
+    x = torch.zeros(1024)
+    with LiveMemoryMeter() as meter:
+        v = x.view(32, 32).t()[1:]
+        x.add_(1)
+        x.relu_()
+        del v
+    assert meter.peak_bytes == 0
+
+
+def test_sees_what_selective_checkpointing_caches():
+    w = torch.randn(256, 256, requires_grad=True)
+    x = torch.randn(512, 256)
+
+    def body(x):
+        return torch.relu(x @ w) @ w
+
+    def policy(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE if op is torch.ops.aten.mm.default else CheckpointPolicy.PREFER_RECOMPUTE
+
+    def after_forward(context_fn):
+        with LiveMemoryMeter() as meter:
+            out = checkpoint(body, x, use_reentrant=False, context_fn=context_fn)
+            live = meter.live_bytes
+        del out
+        return live
+
+    from torch.utils.checkpoint import noop_context_fn
+    plain = after_forward(noop_context_fn)
+    cached = after_forward(functools.partial(create_selective_checkpoint_contexts, policy))
+    assert cached - plain >= 512 * 256 * 4  # the first mm output is cached, invisible to saved_tensors_hooks
+
+
+def test_segments_record_the_peak_between_marks():
+    with LiveMemoryMeter() as meter:
+        meter.mark("one")
+        a = torch.empty(1000)
+        del a
+        meter.mark("two")
+        b = torch.empty(10)
+    assert [(s.label, s.peak_bytes) for s in meter.segments] == [("one", 4000), ("two", 40)]
+    del b
+
+
+def test_backward_allocations_are_seen():
+    w = torch.randn(64, 64, requires_grad=True)
+    peak = measure_step_peak(lambda: (torch.randn(128, 64) @ w).sum().backward(), [w])
+    assert peak >= storage_bytes([w]) * 2  # the weight and its gradient
+    w.grad = None
+
+
+def test_storage_bytes_counts_shared_storage_once():
+    x = torch.zeros(100)
+    assert storage_bytes([x, x.view(10, 10), x[5:], torch.zeros(3)]) == 400 + 12

@@ -1,0 +1,72 @@
+import torch
+
+from planner.capture import capture
+from planner.meter import storage_bytes
+from planner.profile import default_loss, measure_stages, profile_graph
+from tests.helpers import training_step
+
+
+def _mlp(dropout=0.0):
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Dropout(dropout), torch.nn.Linear(64, 16)]
+    return torch.nn.Sequential(*layers)
+
+
+def test_nodes_record_allocations_reads_saved_tensors_and_flops():
+    model = _mlp(dropout=0.5)
+    x = torch.randn(32, 16)
+    profile = profile_graph(capture(model, (x,)), repeats=1)
+    by_target = {p.name: p for p in profile.nodes}
+    linear, relu, dropout, linear_1 = (by_target[n] for n in ("linear", "relu", "dropout", "linear_1"))
+    assert linear.created_bytes == 32 * 64 * 4 and linear.flops == 2 * 32 * 16 * 64
+    assert linear.param_reads == {"0.weight", "0.bias"}
+    assert relu.saved == {relu.created[0].key}  # relu saves its output
+    assert relu.created[0].key in dropout.reads
+    assert len(dropout.saved) == 1 and dropout.saved <= {c.key for c in dropout.created}  # the mask
+    assert len(dropout.created) == 2 and dropout.created_bytes >= 32 * 64 * 4 + 32 * 64  # output and mask
+    out_key = next(c.key for c in dropout.created if c.key not in dropout.saved)
+    assert out_key in linear_1.saved  # linear saves its input
+    assert profile.output_keys == {linear_1.created[0].key}
+    assert profile.fixed_bytes == storage_bytes(list(model.parameters()) + [x])
+    assert all(p.seconds >= 0 for p in profile.nodes)
+
+
+def test_results_are_written_into_node_meta():
+    captured = capture(_mlp(), (torch.randn(4, 16),))
+    profile = profile_graph(captured, repeats=1)
+    metas = [n.meta["planner"] for n in captured.compute_nodes()]
+    assert [m.name for m in metas] == [p.name for p in profile.nodes]
+
+
+def test_profiling_leaves_rng_buffers_and_grads_untouched():
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8), torch.nn.Dropout(0.3))
+    x = torch.randn(16, 8)
+    captured = capture(model, (x,))
+    state = torch.get_rng_state()
+    stats = model[1].running_mean.clone(), model[1].num_batches_tracked.clone()
+    profile_graph(captured, repeats=2)
+    measure_stages(captured, {n.name: 0 for n in captured.compute_nodes()}, 1, repeats=1)
+    assert torch.equal(torch.get_rng_state(), state)
+    assert torch.equal(model[1].running_mean, stats[0]) and torch.equal(model[1].num_batches_tracked, stats[1])
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_measured_stage_peaks_cover_the_eager_step():
+    model = _mlp()
+    x = torch.randn(256, 16)
+    captured = capture(model, (x,))
+    stage_of = {n.name: (0 if n.name in ("linear", "relu") else 1) for n in captured.compute_nodes()}
+    measured = measure_stages(captured, stage_of, 2, loss_fn=lambda out: out.pow(2).mean(), repeats=1)
+    eager = training_step(model, lambda m: m(x).pow(2).mean(), (x,))
+    fixed = storage_bytes(list(model.parameters()) + [x])
+    # the profile holds the model's output through the backward, as a caller keeping ``out`` would
+    assert 0 <= fixed + measured.total_peak - eager.peak_bytes <= 256 * 16 * 4
+    assert max(measured.forward_peak + measured.backward_peak) == measured.total_peak
+    assert len(measured.backward_seconds) == 2 and measured.step_seconds > 0
+
+
+def test_default_loss_prefers_a_scalar_output():
+    loss = torch.tensor(2.0, requires_grad=True)
+    assert default_loss({"loss": loss, "logits": torch.ones(3, requires_grad=True)}) is loss
+    summed = default_loss((torch.ones(2, requires_grad=True), torch.ones(3, requires_grad=True)))
+    assert summed.item() == 5.0
