@@ -1,0 +1,661 @@
+"""A dynamic program over stages for chains (Rotor-style), exact there and conservative elsewhere.
+
+The program walks the stages left to right. Each step chooses the next *segment*: a stored stage, or a region
+``i .. e`` with one recompute option per stage. The state at position ``i`` is
+
+* ``H``: bytes that decisions so far keep alive for the whole rest of the step (tensors of stages ``<= i-2`` that
+  something holds or a recomputation consumes): they count in every later forward, recompute and backward event;
+* how stage ``i-1`` ran (stored, or its option when it ended a region), and whether the segment at ``i`` is a region:
+  together they decide whether stage ``i-1``'s tensors are held by stage ``i`` (``simulate``'s holders).
+
+A transition checks every forward, backward-start, backward and recompute event of the new segment against the
+budget. Inside a region the options are chosen by an inner dynamic program whose state is the bytes the region has
+cached so far, the cached bytes no stage saves (consumed by the recomputation) and the recomputed copies of model
+outputs; it keeps the Pareto front of (bytes, requirement, seconds).
+
+``H`` is discretised into ``buckets`` steps of ``unit`` bytes, with every tensor size rounded *up* to a multiple of
+the unit, so memory is never under-estimated. When every tensor size is already a multiple of the unit
+(``unit`` = the sizes' gcd whenever ``budget / gcd <= buckets``) and the problem :meth:`is a chain
+<planner.problem.Problem.is_chain>`, the program is exact: it returns an optimal schedule of ``simulate``'s model.
+
+On other problems tensors that reach past the next stage are assumed held from their producer on (only model
+outputs really are), which over-estimates memory: the program stays feasible but may miss better plans (status
+``FEASIBLE``). Every returned plan is checked with ``simulate``.
+
+>>> from planner.problem import Problem, Stage, TensorInfo
+>>> stages = tuple(Stage(f"s{i}", 1.0, 2.0) for i in range(4))
+>>> inner = tuple(TensorInfo(f"a{i}", 100, i, frozenset({i}), frozenset({i})) for i in range(4))
+>>> edges = tuple(TensorInfo(f"x{i}", 10, i, frozenset({i + 1}), frozenset({i + 1})) for i in range(3))
+>>> problem = Problem(stages, inner + edges)
+>>> plan = solve_dp(problem, 250)
+>>> plan.status.value, plan.predicted_recompute_seconds, plan.predicted_peak_bytes <= 250
+('optimal', 2.0, True)
+>>> minimum_peak(problem)
+130
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import time
+from dataclasses import dataclass
+from functools import reduce
+
+import numpy as np
+
+from ..errors import PlannerError
+from ..plan import Plan, SolverStatus
+from ..problem import Problem, Region, Schedule, TensorInfo, simulate
+from .baselines import infeasible_budget_error, store_all
+from .ilp import unheld_forward_until
+
+STORED = -1  # how a stage ran, in place of an option index
+NO_STAGE = -2  # before the first stage
+KINDS = ("stored", "region")  # what the next segment is
+NONE = "none"  # no next segment (past the last stage)
+
+
+# --- tables: what each stage's tensors add to each event, per decision --------------------------------------------
+
+@dataclass(frozen=True)
+class _Local:
+    """A tensor read and saved only by its producer ``p`` and ``p+1`` (every tensor of a chain, but outputs)."""
+
+    nbytes: int
+    saved_self: bool
+    saved_next: bool
+    read_next: bool
+    forward_self: bool  # alive in p's forward even when nothing holds it
+    forward_next: bool  # alive in p+1's forward even when nothing holds it
+    caching: frozenset[int]
+
+    def held_next(self, kind: str) -> bool:
+        """Whether a following segment of ``kind`` holds it (from ``p+1`` on)."""
+        return (kind == "stored" and self.saved_next) or (kind == "region" and self.read_next)
+
+    def own(self, how: int) -> bool:
+        """Held or consumed by its own stage's decision ``how`` (STORED or an option)."""
+        return self.saved_self if how == STORED else how in self.caching
+
+
+@dataclass(frozen=True)
+class _Pinned:
+    """A model output (held throughout), or on non-chains a tensor assumed held from its producer on."""
+
+    producer: int
+    nbytes: int
+    first_saver: int | None
+    caching: frozenset[int]
+    is_output: bool
+
+
+def _round_up(nbytes: int, unit: int) -> int:
+    return -(-nbytes // unit) * unit
+
+
+def _is_local(t: TensorInfo) -> bool:
+    return not t.is_output and max(t.consumers | t.savers | {t.producer}) <= t.producer + 1
+
+
+@dataclass(frozen=True)
+class _StageSums:
+    """Bytes of one stage's local tensors that each event counts, per option (index) or following kind (key)."""
+
+    saved_self: int  # saved by the stage itself
+    saved_any: int  # saved by the stage or the next
+    cached: tuple[int, ...]
+    unsaved_cached: tuple[int, ...]  # cached but saved by no stage: consumed by the recomputation
+    forward_inner: tuple[int, ...]  # alive in its forward inside a region, not at its end
+    forward_from_prev: tuple[int, ...]  # alive in the next stage's forward, inside a region
+    recompute_own: tuple[int, ...]  # alive at the recomputation of a region it ends
+    forward_end: dict[tuple[int, str], int]  # alive in its forward when it ends a region, by option and next kind
+    forward_stored: dict[str, int]  # alive in its forward when stored, by next kind
+    next_holder_matters: bool  # whether a next-stage holder can add to its forward
+
+
+def _stage_sums(tensors: tuple[_Local, ...], options: range) -> _StageSums:
+    def total(keep) -> int:
+        return sum(t.nbytes for t in tensors if keep(t))
+    kinds = (*KINDS, NONE)
+    return _StageSums(
+        total(lambda t: t.saved_self), total(lambda t: t.saved_self or t.saved_next),
+        tuple(total(lambda t: o in t.caching) for o in options),
+        tuple(total(lambda t: o in t.caching and not (t.saved_self or t.saved_next)) for o in options),
+        tuple(total(lambda t: t.forward_self or o in t.caching) for o in options),
+        tuple(total(lambda t: t.forward_next or o in t.caching) for o in options),
+        tuple(total(lambda t: t.saved_self or o in t.caching) for o in options),
+        {(o, kind): total(lambda t: t.forward_self or o in t.caching or t.held_next(kind))
+         for o in options for kind in kinds},
+        {kind: total(lambda t: t.forward_self or t.saved_self or t.held_next(kind)) for kind in kinds},
+        any(t.saved_next and not t.forward_self for t in tensors))
+
+
+@dataclass(frozen=True)
+class _Tables:
+    """Per-stage sums over tensors, in bytes rounded up to ``unit``; see the module docstring for the events."""
+
+    problem: Problem
+    unit: int
+    locals: tuple[tuple[_Local, ...], ...]
+    pinned: tuple[tuple[_Pinned, ...], ...]
+    fwd_base: tuple[int, ...]  # fixed + forward workspace + pinned tensors alive in the forward
+    start_base: tuple[int, ...]  # fixed + gradients of later stages + pinned, when a backward starts
+    after_base: tuple[int, ...]  # fixed + gradients so far + backward workspace + pinned, after a backward
+    rec_base: tuple[int, ...]  # fixed + gradients of later stages + output gradients + pinned, at a recomputation
+    sums: tuple[_StageSums, ...]
+    pending: dict[tuple[int, int, str], "_Pending"]  # (i, how stage i-1 ran, kind at i) -> stage i-1's tensors
+
+    def options(self, k: int) -> range:
+        return range(len(self.problem.stages[k].recompute_options))
+
+    def seconds(self, k: int, option: int) -> float:
+        return self.problem.stages[k].recompute_options[option].recompute_seconds
+
+
+
+def _tables(problem: Problem, unit: int) -> _Tables:
+    n = problem.num_stages
+    locals_: list[list[_Local]] = [[] for _ in range(n)]
+    pinned: list[list[_Pinned]] = [[] for _ in range(n)]
+    for t in problem.tensors:
+        p, size = t.producer, _round_up(t.nbytes, unit)
+        options = problem.stages[p].recompute_options
+        caching = frozenset(o for o, option in enumerate(options) if t.node in option.cached_nodes)
+        if _is_local(t):
+            until = unheld_forward_until(problem, t)
+            locals_[p].append(_Local(size, p in t.savers, p + 1 in t.savers, p + 1 in t.consumers,
+                                     until >= p, until >= p + 1, caching))
+        else:
+            pinned[p].append(_Pinned(p, size, min(t.savers) if t.savers else None, caching, t.is_output))
+    pinned_forward = [sum(x.nbytes for q in range(k + 1) for x in pinned[q]) for k in range(n)]
+    outputs = sum(x.nbytes for q in range(n) for x in pinned[q] if x.is_output)
+    pinned_backward = [outputs + sum(x.nbytes for q in range(k + 1) for x in pinned[q] if not x.is_output)
+                       for k in range(n)]
+    grads_after = [sum(s.grad_bytes for s in problem.stages[k + 1:]) for k in range(n)]
+    fixed, stages = problem.fixed_bytes, problem.stages
+    options = [range(len(s.recompute_options)) for s in stages]
+    pending = {(i, how, kind): _pending(locals_[i - 1], how, kind)
+               for i in range(1, n) for how in [STORED, *options[i - 1]] for kind in KINDS}
+    return _Tables(
+        problem, unit, tuple(map(tuple, locals_)), tuple(map(tuple, pinned)),
+        tuple(fixed + stages[k].forward_workspace_bytes + pinned_forward[k] for k in range(n)),
+        tuple(fixed + grads_after[k] + pinned_backward[k] for k in range(n)),
+        tuple(fixed + grads_after[k] + stages[k].grad_bytes + stages[k].backward_workspace_bytes
+              + pinned_backward[k] for k in range(n)),
+        tuple(fixed + grads_after[k] + getattr(stages[k], "output_grad_bytes", 0) + pinned_backward[k]
+              for k in range(n)),
+        tuple(_stage_sums(tuple(locals_[k]), options[k]) for k in range(n)), pending)
+
+
+@dataclass(frozen=True)
+class _Pending:
+    """Stage ``i-1``'s tensors as seen from the segment at ``i``."""
+
+    own: int  # held or consumed by stage i-1's own decision: alive in every later event
+    held_by_next: int  # held only by stage i: alive in every later event but the backward of i, once done
+    read_only: int  # read by stage i, not held: alive in stage i's forward only
+
+
+_NOTHING = _Pending(0, 0, 0)
+
+
+def _pending(tensors: list[_Local], how: int, kind: str) -> _Pending:
+    own = sum(t.nbytes for t in tensors if t.own(how))
+    nxt = sum(t.nbytes for t in tensors if not t.own(how) and t.held_next(kind))
+    read = sum(t.nbytes for t in tensors if not t.own(how) and not t.held_next(kind) and t.forward_next)
+    return _Pending(own, nxt, read)
+
+
+# --- the inner program: options inside one region -------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class _Open:
+    """A region ``i .. p`` still open at ``p``; every byte count excludes ``H`` and stage ``i-1``'s tensors."""
+
+    cached: int  # bytes cached by stages i .. p-1: alive to the end once the region is left
+    unsaved: int  # of those, bytes no stage saves: alive again at the recomputation
+    copies: int  # recomputed copies of pinned tensors alive at p's backward start
+    future: tuple[tuple[int, int, bool], ...]  # pinned tensors (first saver > p, bytes, cached) not yet resolved
+    need: int  # the largest event so far, forward of i excluded
+    forward_now: int  # p's forward event, for a next-stage holder that may add to it (0 when none can)
+    forward_first: int  # stage i's own tensors alive in its forward
+    seconds: float
+    options: tuple[int, ...]
+
+    def key(self) -> tuple:
+        return self.options[-1], self.future
+
+    def costs(self) -> tuple:
+        return self.cached, self.unsaved, self.copies, self.need, self.forward_now, self.forward_first, self.seconds
+
+
+@dataclass(frozen=True)
+class _Closed:
+    """A region ``i .. e`` with its options: what it adds to ``H`` and the largest event it needs besides ``H``."""
+
+    adds: int
+    need: int
+    forward_first: int
+    seconds: float
+    options: tuple[int, ...]
+
+
+def _pareto(points: list[_Open], limit: int) -> tuple[list[_Open], bool]:
+    """Drop points another point beats in seconds, cached bytes and need (among points equal in the other costs);
+    keep at most ``limit``, spread from fastest to leanest (False when some were cut)."""
+    groups: dict[tuple, list[_Open]] = {}
+    for point in points:
+        groups.setdefault((point.unsaved, point.copies, point.forward_now, point.forward_first), []).append(point)
+    kept = [p for group in groups.values() for p in _staircase(group, lambda x: (x.seconds, x.cached, x.need))]
+    if len(kept) <= limit:
+        return kept, True
+    kept.sort(key=lambda x: x.seconds)
+    step = (len(kept) - 1) / (limit - 1)
+    return [kept[round(j * step)] for j in range(limit)], False
+
+
+def _staircase(items: list, costs) -> list:
+    """Items not beaten in all three ``costs`` (a, b, c) by another: sort by a, keep a staircase over (b, c)."""
+    stairs_b: list = []  # increasing b
+    stairs_c: list = []  # decreasing c
+    kept = []
+    for item in sorted(items, key=costs):
+        _, b, c = costs(item)
+        j = bisect.bisect_right(stairs_b, b)
+        if j and stairs_c[j - 1] <= c:
+            continue
+        kept.append(item)
+        stop = j
+        while stop < len(stairs_b) and stairs_c[stop] >= c:
+            stop += 1
+        stairs_b[j:stop] = [b]
+        stairs_c[j:stop] = [c]
+    return kept
+
+
+def _closed_front(closed: list[_Closed]) -> list[_Closed]:
+    """Per last option and first forward, drop regions another beats in seconds, bytes added and need."""
+    groups: dict[tuple, list[_Closed]] = {}
+    for c in closed:
+        groups.setdefault((c.options[-1], c.forward_first), []).append(c)
+    return [c for group in groups.values() for c in _staircase(group, lambda x: (x.seconds, x.adds, x.need))]
+
+
+def _resolve_pinned(tables: _Tables, stage: int, option: int, copies: int,
+                    future: tuple[tuple[int, int, bool], ...]) -> tuple[int, tuple[tuple[int, int, bool], ...]]:
+    """Move pinned tensors whose first saver is ``stage`` into copies, and add ``stage``'s own pinned tensors."""
+    n = tables.problem.num_stages
+    entries = list(future)
+    for x in tables.pinned[stage]:
+        cached = option in x.caching
+        if x.first_saver is not None or cached:
+            entries.append((x.first_saver if x.first_saver is not None else n, x.nbytes, cached))
+    remaining = []
+    for first, nbytes, cached in entries:
+        if first == stage:
+            copies += 0 if cached else nbytes
+        else:
+            remaining.append((first, nbytes, cached))
+    return copies, tuple(sorted(remaining))
+
+
+class _Region:
+    """The inner program for regions starting at ``i``, closed at every ``e`` in turn."""
+
+    def __init__(self, tables: _Tables, i: int, budget: int | None, limit: int, track_time: bool):
+        self.tables, self.i, self.budget, self.limit = tables, i, budget, limit
+        self.track_time = track_time  # False: seconds play no part (when minimising the peak)
+        self.cap = budget if budget is not None else float("inf")
+        self.exact = True
+        stages = tables.problem.stages
+        self.saved_before = [0]  # saved_before[m]: bytes saved by a stage, of stages i .. i+m-1
+        for k in range(i, tables.problem.num_stages):
+            self.saved_before.append(self.saved_before[-1] + tables.sums[k].saved_any)
+        self.max_workspace = [max(stages[j].recompute_workspace for j in range(i, e + 1))
+                              for e in range(i, tables.problem.num_stages)]
+
+    def _seconds(self, k: int, option: int) -> float:
+        return self.tables.seconds(k, option) if self.track_time else 0.0
+
+    def _fits(self, need: int) -> bool:
+        return self.budget is None or need <= self.budget
+
+    def _canonical(self, need: int) -> int:
+        """The largest need with the same room left for H: the outer program sees no difference."""
+        if self.budget is None or need > self.budget:
+            return need
+        unit = self.tables.unit
+        return self.budget - (self.budget - need) // unit * unit
+
+    def first(self) -> list[_Open]:
+        t, i = self.tables, self.i
+        points = []
+        for o in t.options(i):
+            copies, future = _resolve_pinned(t, i, o, 0, ())
+            start = t.start_base[i] + t.sums[i].saved_self + copies
+            forward_first = t.sums[i].forward_inner[o]
+            points.append(_Open(0, 0, copies, future, start, 0, forward_first, self._seconds(i, o), (o,)))
+        return self._prune([p for p in points if self._fits(p.need)])
+
+    def extend(self, points: list[_Open], p: int) -> list[_Open]:
+        """Add stage ``p + 1`` to every open region ``i .. p``."""
+        t, i, k = self.tables, self.i, p + 1
+        last, here = t.sums[p], t.sums[k]
+        out = []
+        for point in points:
+            o = point.options[-1]
+            after = t.after_base[k] + self.saved_before[p - i] + last.saved_self + point.copies
+            cached = point.cached + last.cached[o]
+            unsaved = point.unsaved + last.unsaved_cached[o]
+            for o2 in t.options(k):
+                copies, future = _resolve_pinned(t, k, o2, point.copies, point.future)
+                start = t.start_base[k] + self.saved_before[k - i] + here.saved_self + copies
+                forward = t.fwd_base[k] + point.cached + last.forward_from_prev[o] + here.forward_inner[o2]
+                need = self._canonical(max(point.need, after, start, forward))
+                if not self._fits(need) or cached > self.cap:
+                    continue
+                extra = here.next_holder_matters
+                out.append(_Open(cached, unsaved, copies, future, need, forward if extra else 0, point.forward_first,
+                                 point.seconds + self._seconds(k, o2), point.options + (o2,)))
+        return self._prune(out)
+
+    def close(self, points: list[_Open], e: int, kind: str) -> list[_Closed]:
+        """End every open region at ``e``; ``kind`` is what follows (stored, region or none)."""
+        t, i = self.tables, self.i
+        closed = []
+        for point in points:
+            o = point.options[-1]
+            consumed = sum(nbytes for _, nbytes, cached in point.future if cached)
+            recompute = (t.rec_base[e] + self.max_workspace[e - i] + self.saved_before[e - i] + point.unsaved
+                         + t.sums[e].recompute_own[o] + point.copies + consumed)
+            own_forward = t.sums[e].forward_end[o, kind]
+            need = max(point.need, recompute)
+            forward_first = point.forward_first
+            if e == i:
+                forward_first = own_forward
+            elif point.forward_now:
+                need = max(need, point.forward_now + own_forward - t.sums[e].forward_inner[o])
+            need = self._canonical(need)
+            if self._fits(need):
+                closed.append(_Closed(point.cached, need, self._canonical(forward_first), point.seconds,
+                                      point.options))
+        return _closed_front(closed)
+
+    def _prune(self, points: list[_Open]) -> list[_Open]:
+        groups: dict[tuple, list[_Open]] = {}
+        for point in points:
+            groups.setdefault(point.key(), []).append(point)
+        kept = []
+        for group in groups.values():
+            front, complete = _pareto(group, self.limit)
+            self.exact &= complete
+            kept += front
+        return kept
+
+
+def _region_ends(tables: _Tables, i: int, budget: int | None, limit: int, track_time: bool = True):
+    """Yield ``(e, kind, closed regions i .. e)`` for every end ``e`` and following kind, then ``(None, None,
+    whether no Pareto front was cut)``."""
+    n = tables.problem.num_stages
+    region = _Region(tables, i, budget, limit, track_time)
+    points = region.first()
+    for e in range(i, n):
+        if not points:
+            break
+        for kind in (KINDS if e + 1 < n else (NONE,)):
+            yield e, kind, region.close(points, e, kind)
+        if e + 1 < n:
+            points = region.extend(points, e)
+    yield None, None, region.exact
+
+
+# --- the outer program ---------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class _Move:
+    """One transition: from state (i, how, kind) to (stop, how', kind') adding ``shift`` units to H."""
+
+    source: tuple[int, int, str]
+    shift: int
+    region: Region | None  # None: stage i stored
+    target: tuple[int, int, str]
+
+
+def _stored_move(tables: _Tables, i: int, how: int, kind: str) -> tuple[int, int, int] | None:
+    """(need, adds) for storing stage ``i`` followed by ``kind``; need excludes H."""
+    pend = tables.pending.get((i, how, "stored"), _NOTHING)
+    held = pend.own + pend.held_by_next
+    forward = tables.fwd_base[i] + held + pend.read_only + tables.sums[i].forward_stored[kind]
+    start = tables.start_base[i] + held + tables.sums[i].saved_self
+    after = tables.after_base[i] + pend.own
+    return max(forward, start, after), held
+
+
+def _region_need(tables: _Tables, i: int, how: int, closed: _Closed) -> tuple[int, int]:
+    """(need, adds) for a closed region at ``i`` after stage ``i-1`` ran as ``how``."""
+    pend = tables.pending.get((i, how, "region"), _NOTHING)
+    held = pend.own + pend.held_by_next
+    forward = tables.fwd_base[i] + held + pend.read_only + closed.forward_first
+    after = tables.after_base[i] + pend.own
+    return max(forward, after, held + closed.need), held + closed.adds
+
+
+class _Outer:
+    """States ``(i, how stage i-1 ran, kind of segment at i)``, each an array over H (in units) of least seconds."""
+
+    def __init__(self, tables: _Tables, budget: int):
+        self.tables, self.budget = tables, budget
+        self.size = budget // tables.unit + 1
+        self.times: dict[tuple[int, int, str], np.ndarray] = {}
+        self.choice: dict[tuple[int, int, str], np.ndarray] = {}
+        self.moves: list[_Move] = []
+        self.lowest: dict[tuple[int, int, str], int] = {}  # first reachable H of each source state
+        for kind in KINDS:
+            self._state((0, NO_STAGE, kind))[0][0] = 0.0
+
+    def _state(self, key: tuple[int, int, str]) -> tuple[np.ndarray, np.ndarray]:
+        if key not in self.times:
+            self.times[key] = np.full(self.size, np.inf)
+            self.choice[key] = np.full(self.size, -1, dtype=np.int64)
+        return self.times[key], self.choice[key]
+
+    def relax(self, source: tuple[int, int, str], need: int, adds: int, seconds: float,
+              region: Region | None, target: tuple[int, int, str]) -> None:
+        unit = self.tables.unit
+        shift = adds // unit
+        top = min((self.budget - need) // unit, self.size - 1 - shift)
+        if top < self.lowest[source]:
+            return
+        dest, chosen = self._state(target)
+        window = slice(shift, shift + top + 1)
+        candidate = self.times[source][:top + 1] + seconds
+        better = candidate < dest[window]
+        self.moves.append(_Move(source, shift, region, target))
+        np.copyto(dest[window], candidate, where=better)
+        np.copyto(chosen[window], len(self.moves) - 1, where=better)
+
+    def sources(self, i: int) -> list[tuple[int, int, str]]:
+        """The reachable states at position ``i`` (final once the program is there)."""
+        keys = [key for key in self.times if key[0] == i and np.isfinite(self.times[key]).any()]
+        for key in keys:
+            self.lowest[key] = int(np.argmax(np.isfinite(self.times[key])))
+        return keys
+
+    def best(self, n: int) -> tuple[tuple[int, int, str], int] | None:
+        finals = [(float(self.times[key].min()), key) for key in self.times if key[0] == n]
+        finals = [(value, key) for value, key in finals if np.isfinite(value)]
+        if not finals:
+            return None
+        _, key = min(finals, key=lambda f: f[0])
+        return key, int(np.argmin(self.times[key]))
+
+    def schedule(self, key: tuple[int, int, str], h: int) -> Schedule:
+        regions = []
+        while key[0] > 0:
+            move = self.moves[self.choice[key][h]]
+            if move.region is not None:
+                regions.append(move.region)
+            key, h = move.source, h - move.shift
+        return Schedule(tuple(reversed(regions)))
+
+
+def _hows(tables: _Tables, i: int) -> list[int]:
+    return [NO_STAGE] if i == 0 else [STORED, *tables.options(i - 1)]
+
+
+def _least_seconds(tables: _Tables, budget: int, limit: int) -> tuple[Schedule | None, bool]:
+    """The time-optimal schedule of the DP's model within ``budget`` (None if none), and whether no front was cut."""
+    n = tables.problem.num_stages
+    outer = _Outer(tables, budget)
+    exact = True
+    for i in range(n):
+        sources = outer.sources(i)
+        for source in [s for s in sources if s[2] == "stored"]:
+            for kind in (KINDS if i + 1 < n else (NONE,)):
+                need, adds = _stored_move(tables, i, source[1], kind)
+                outer.relax(source, need, adds, 0.0, None, (i + 1, STORED, kind))
+        region_sources = [s for s in sources if s[2] == "region"]
+        if not region_sources:
+            continue
+        for e, kind, closed in _region_ends(tables, i, budget, limit):
+            if e is None:
+                exact &= closed
+                continue
+            for source in region_sources:
+                for c in closed:
+                    need, adds = _region_need(tables, i, source[1], c)
+                    outer.relax(source, need, adds, c.seconds, Region(i, e + 1, c.options),
+                                (e + 1, c.options[-1], kind))
+    found = outer.best(n)
+    return (outer.schedule(*found) if found else None), exact
+
+
+def _least_peak(tables: _Tables, limit: int) -> tuple[Schedule, bool]:
+    """A schedule with the least peak in the DP's model (exact bytes when ``unit`` is 1), and whether no front was
+    cut. Each state keeps the Pareto front of (H, peak so far)."""
+    n = tables.problem.num_stages
+    fronts: dict[tuple[int, int, str], list[tuple[int, int, tuple | None]]] = {
+        (0, NO_STAGE, kind): [(0, 0, None)] for kind in KINDS}
+    exact = True
+
+    def push(source, entry, need: int, adds: int, region, target) -> None:
+        h, peak, _ = entry
+        fronts.setdefault(target, []).append((h + adds, max(peak, h + need), (source, entry, region)))
+
+    for i in range(n):
+        sources = [key for key in fronts if key[0] == i]
+        for key in sources:
+            fronts[key] = _front(fronts[key])
+        for source in [s for s in sources if s[2] == "stored"]:
+            for kind in (KINDS if i + 1 < n else (NONE,)):
+                need, adds = _stored_move(tables, i, source[1], kind)
+                for entry in fronts[source]:
+                    push(source, entry, need, adds, None, (i + 1, STORED, kind))
+        region_sources = [s for s in sources if s[2] == "region"]
+        if not region_sources:
+            continue
+        for e, kind, closed in _region_ends(tables, i, None, limit, track_time=False):
+            if e is None:
+                exact &= closed
+                continue
+            for source in region_sources:
+                for c in closed:
+                    need, adds = _region_need(tables, i, source[1], c)
+                    for entry in fronts[source]:
+                        push(source, entry, need, adds, Region(i, e + 1, c.options), (e + 1, c.options[-1], kind))
+    finals = [entry for key in fronts if key[0] == n for entry in fronts[key]]
+    entry = min(finals, key=lambda x: x[1])
+    regions = []
+    while entry[2] is not None:
+        _, entry, region = entry[2]
+        if region is not None:
+            regions.append(region)
+    return Schedule(tuple(reversed(regions))), exact
+
+
+def _front(entries: list[tuple[int, int, tuple | None]]) -> list[tuple[int, int, tuple | None]]:
+    """Entries no other entry beats in both H and peak."""
+    kept: list[tuple[int, int, tuple | None]] = []
+    for entry in sorted(entries, key=lambda x: (x[0], x[1])):
+        if not kept or entry[1] < kept[-1][1]:
+            kept.append(entry)
+    return kept
+
+
+def _unit(problem: Problem, budget_bytes: int, buckets: int) -> tuple[int, bool]:
+    """The bytes per step of H, and whether every tensor size is a multiple of it (no rounding)."""
+    sizes = [t.nbytes for t in problem.tensors if t.nbytes > 0]
+    gcd = reduce(math.gcd, sizes, 0) or 1
+    if budget_bytes // gcd <= buckets:
+        return gcd, True
+    unit = -(-budget_bytes // buckets)
+    return unit, all(size % unit == 0 for size in sizes)
+
+
+FRONT_LIMIT = 256
+
+
+def minimum_peak_schedule(problem: Problem) -> Schedule:
+    """A schedule reaching the smallest peak any schedule reaches: by this DP on chains, else by the ILP."""
+    if problem.is_chain():
+        schedule, _ = _least_peak(_tables(problem, 1), FRONT_LIMIT)
+        return schedule
+    from .ilp import min_peak_schedule
+    return min_peak_schedule(problem)[0]
+
+
+def minimum_peak(problem: Problem) -> int:
+    """The smallest peak (bytes) any schedule reaches; the least budget any solver can meet.
+
+    >>> from planner.problem import Problem, Stage, TensorInfo
+    >>> problem = Problem((Stage("a", 1.0, 2.0), Stage("b", 1.0, 2.0)),
+    ...                   (TensorInfo("x", 10, 0, frozenset({1}), frozenset({0, 1})),
+    ...                    TensorInfo("y", 50, 0, frozenset(), frozenset({0}))), fixed_bytes=100)
+    >>> minimum_peak(problem)
+    160
+    """
+    return simulate(problem, minimum_peak_schedule(problem)).peak_bytes
+
+
+def solve_dp(problem: Problem, budget_bytes: int, *, buckets: int = 2000) -> Plan:
+    """The schedule with the least recompute time within ``budget_bytes``, by dynamic programming.
+
+    Status ``OPTIMAL`` on chains when no tensor size needed rounding (see the module docstring), else
+    ``FEASIBLE``. Raises :class:`~planner.errors.InfeasibleBudgetError` with the smallest achievable peak when no
+    schedule fits.
+
+    >>> from planner.problem import Problem, Stage, TensorInfo
+    >>> problem = Problem((Stage("a", 1.0, 2.0),), (TensorInfo("x", 100, 0, savers=frozenset({0})),),
+    ...                   fixed_bytes=1000)
+    >>> solve_dp(problem, 1050)
+    Traceback (most recent call last):
+    ...
+    planner.errors.InfeasibleBudgetError: budget 1.03 KiB is below the smallest peak any plan reaches, 1.07 KiB ...
+    """
+    started = time.perf_counter()
+
+    def plan(schedule: Schedule, status: SolverStatus) -> Plan:
+        return Plan.from_schedule(problem, schedule, solver="dp", status=status,
+                                  gap=0.0 if status == SolverStatus.OPTIMAL else None,
+                                  solve_seconds=time.perf_counter() - started, budget_bytes=budget_bytes)
+
+    if simulate(problem, store_all(problem)).peak_bytes <= budget_bytes:
+        return plan(store_all(problem), SolverStatus.OPTIMAL)
+    if budget_bytes <= 0:
+        raise infeasible_budget_error(problem, budget_bytes, minimum_peak_schedule(problem))
+    target = budget_bytes
+    for attempt in range(3):  # the model over-estimates memory, so one pass suffices; tighten if it ever does not
+        unit, exact_unit = _unit(problem, target, buckets)
+        schedule, complete = _least_seconds(_tables(problem, unit), target, FRONT_LIMIT)
+        if schedule is None:
+            break
+        peak = simulate(problem, schedule).peak_bytes
+        if peak <= budget_bytes:
+            exact = exact_unit and complete and problem.is_chain() and attempt == 0
+            return plan(schedule, SolverStatus.OPTIMAL if exact else SolverStatus.FEASIBLE)
+        target -= peak - budget_bytes
+    minimum = minimum_peak_schedule(problem)
+    if simulate(problem, minimum).peak_bytes > budget_bytes:
+        raise infeasible_budget_error(problem, budget_bytes, minimum)
+    return plan(minimum, SolverStatus.FEASIBLE)  # rounding or a non-chain hid every plan the DP could see

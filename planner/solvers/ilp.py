@@ -1,0 +1,578 @@
+"""An exact mixed-integer program over the execution model of :func:`~planner.problem.simulate`.
+
+Decisions (binary):
+
+* ``x[k,o]``: stage ``k`` is recomputed with option ``o``; ``r[k] = sum_o x[k,o] <= 1`` (0 means stored);
+* ``s[k]``: stages ``k`` and ``k+1`` share a region (``s[k] <= r[k]``, ``s[k] <= r[k+1]``).
+
+Derived, continuous but exact once the decisions are integral:
+
+* ``w[a,b]`` (``a < b``): ``a .. b`` lie in one region, ``w[a,a+1] = s[a]``, ``w[a,b] = w[a,b-1] * s[b-1]``
+  linearised with both upper (``w <= w[a,b-1]``, ``w <= s[b-1]``) and lower (``w >= w[a,b-1] + s[b-1] - 1``)
+  bounds; ``w[a,a] = r[a]``. A region ends at ``k`` when ``e[k] = r[k] - s[k]`` is 1.
+* ``c[t] = sum of x[p,o]`` over the options of ``t``'s producer ``p`` that cache ``t``'s node.
+
+Memory (continuous, only bounded from below, since they appear only on the left of ``<= budget``):
+
+* ``h[t,k] >= `` each way ``t`` can be held during the backward of ``k`` (``k >= h`` for a holder ``h``):
+  a stored saver ``s <= k`` (``1 - r[s]``); a reader ``c`` in another region starting at or before ``k``
+  (``r[c] - w[p,c]`` once ``k >= c``, ``w[k,c] - w[p,c]`` for ``p < k < c``); the cache
+  (``c[t]`` once ``k`` reaches the first saver, ``c[t] - w[p,k]`` before it: held from the stage after the region).
+  ``h[t,k] >= h[t,k-1]``. ``held[t] >=`` each of ``1 - r[s]``, ``r[c] - w[p,c]``, ``c[t]``: something holds ``t``,
+  which keeps it alive to the end of the forward.
+* ``copies[p,k] >= sum_t nbytes(t) * (w[p,k] - c[t])`` over tensors of ``p`` whose first saver is ``<= k``:
+  the recomputed copies alive during the backward of ``k``.
+* ``ws[k] >= (recompute_workspace(j) + output_grad_bytes(k)) * (w[j,k] + e[k] - 1)``: the largest recompute
+  workspace of a region ending at ``k``, with the gradients of ``k``'s outputs.
+
+Events (each ``<= budget``, or ``<= peak`` when minimising the peak): the forward of every stage, the backward
+of every stage (fixed + gradients so far + workspace + held + copies) and the recomputation before it (same
+activations, gradients before it, ``ws[k]``; where ``k`` ends no region this is below the backward event).
+Objective: the recompute seconds of the chosen options. Tensors with identical rules are summed into one group,
+and tensors whose liveness no decision changes (model outputs, tensors nothing can hold) are constants.
+
+:func:`encoded_peak` evaluates this encoding on a given schedule without a solver; the tests check it equals
+``simulate`` on random schedules, and :func:`solve_ilp` checks it on every solution.
+
+>>> from planner.problem import Problem, Stage, TensorInfo
+>>> stages = tuple(Stage(f"s{i}", 1.0, 2.0) for i in range(4))
+>>> inner = tuple(TensorInfo(f"a{i}", 100, i, frozenset({i}), frozenset({i})) for i in range(4))
+>>> edges = tuple(TensorInfo(f"x{i}", 10, i, frozenset({i + 1}), frozenset({i + 1})) for i in range(3))
+>>> problem = Problem(stages, inner + edges)
+>>> plan = solve_ilp(problem, 250)
+>>> plan.status.value, plan.predicted_recompute_seconds, plan.predicted_peak_bytes <= 250
+('optimal', 2.0, True)
+>>> min_peak_ilp(problem).predicted_peak_bytes
+130
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import math
+import os
+import re
+import tempfile
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Iterable
+
+import pulp
+
+from ..errors import PlannerError
+from ..plan import Plan, SolverStatus
+from ..problem import Phase, Problem, Region, Schedule, TensorInfo, liveness, simulate
+from .baselines import chen_sqrt, fewest_blocks, infeasible_budget_error, store_all, uniform
+
+Expr = pulp.LpAffineExpression
+
+
+# --- tensors, grouped by the rules that decide their liveness ---------------------------------------------------
+
+@dataclass(frozen=True)
+class TensorGroup:
+    """Tensors of one producer that the execution model treats alike, with their bytes summed."""
+
+    producer: int
+    consumers: frozenset[int]
+    savers: frozenset[int]
+    caching_options: frozenset[int]  # options of the producer that cache these tensors' node
+    is_output: bool
+    unheld_forward_until: int  # last forward stage they are alive at when nothing holds them
+    nbytes: int
+
+    @property
+    def first_saver(self) -> int | None:
+        return min(self.savers) if self.savers else None
+
+
+def unheld_forward_until(problem: Problem, tensor: TensorInfo) -> int:
+    """The last forward stage ``tensor`` is alive at when nothing holds it, as :func:`liveness` decides."""
+    alone = dataclasses.replace(tensor, savers=frozenset(), is_output=False)
+    return liveness(problem, Schedule(), alone).forward_until
+
+
+def group_tensors(problem: Problem) -> tuple[TensorGroup, ...]:
+    """Sum tensors that share producer, readers, savers, caching options and output flag."""
+    sizes: dict[tuple, int] = defaultdict(int)
+    for t in problem.tensors:
+        options = problem.stages[t.producer].recompute_options
+        caching = frozenset(o for o, option in enumerate(options) if t.node in option.cached_nodes)
+        key = (t.producer, t.consumers, t.savers, caching, t.is_output, unheld_forward_until(problem, t))
+        sizes[key] += t.nbytes
+    return tuple(TensorGroup(p, c, s, o, out, until, nbytes)
+                 for (p, c, s, o, out, until), nbytes in sorted(sizes.items(), key=lambda kv: kv[0][0]))
+
+
+# --- the encoding --------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Event:
+    """One memory event: its bytes as a linear expression of the encoding's variables."""
+
+    phase: Phase
+    stage: int
+    bytes: Expr
+
+
+@dataclass(frozen=True)
+class _GroupLiveness:
+    """A group's liveness variables: alive when a backward starts, and once it is done."""
+
+    group: TensorGroup
+    start: dict[int, pulp.LpVariable]  # from min(start) on; constant past max(start)
+    after: dict[int, pulp.LpVariable]  # where consumption by a recomputation makes "after k" differ from "start k-1"
+    held_at_all: pulp.LpVariable | None
+
+    def start_at(self, k: int) -> pulp.LpVariable | None:
+        if not self.start or k < min(self.start):
+            return None
+        return self.start[min(k, max(self.start))]
+
+    def after_at(self, k: int) -> pulp.LpVariable | None:
+        """Alive once stage ``k``'s backward is done (``k = n``: at the recomputation before the last stage)."""
+        return self.after[k] if k in self.after else self.start_at(k - 1)
+
+
+class _EventTerms:
+    """Per stage, the terms each kind of event sums (tensors only; copies, gradients and workspaces come later)."""
+
+    def __init__(self, n: int, problem: Problem):
+        self.forward: list[list] = [[problem.fixed_bytes + s.forward_workspace_bytes] for s in problem.stages]
+        self.start: list[list] = [[] for _ in range(n)]
+        self.after: list[list] = [[] for _ in range(n)]
+        self.recompute: list[list] = [[] for _ in range(n)]  # alive at the start, or consumed by this recomputation
+
+
+class Encoding:
+    """Variables and constraints of the execution model of one problem, without budget or objective."""
+
+    def __init__(self, problem: Problem):
+        self.problem = problem
+        n = problem.num_stages
+        self.model = pulp.LpProblem("checkpoint_plan", pulp.LpMinimize)
+        self.lower_bounds: dict[str, list[Expr]] = {}  # name of each bounded-below variable -> its bounds
+        self.choose = [[pulp.LpVariable(f"x_{k}_{o}", cat="Binary") for o in range(len(stage.recompute_options))]
+                       for k, stage in enumerate(problem.stages)]
+        self.share = [pulp.LpVariable(f"s_{k}", cat="Binary") for k in range(n - 1)]
+        self._same: dict[tuple[int, int], pulp.LpVariable] = {}
+        for k in range(n):
+            self.model += pulp.lpSum(self.choose[k]) <= 1, f"one_option_{k}"
+        for k in range(n - 1):
+            self.model += self.share[k] <= self.recomputed(k), f"share_left_{k}"
+            self.model += self.share[k] <= self.recomputed(k + 1), f"share_right_{k}"
+        self.groups = group_tensors(problem)
+        self.events = self._events()
+
+    # decisions and what follows from them
+    def recomputed(self, k: int) -> Expr:
+        return pulp.lpSum(self.choose[k])
+
+    def region_end(self, k: int) -> Expr:
+        if k == self.problem.num_stages - 1:
+            return self.recomputed(k)
+        return self.recomputed(k) - self.share[k]
+
+    def same_region(self, a: int, b: int) -> Expr | pulp.LpVariable | int:
+        """1 when stages ``a <= b`` are all recomputed in one region (0 past the last stage)."""
+        if b >= self.problem.num_stages:
+            return 0
+        if a == b:
+            return self.recomputed(a)
+        if b == a + 1:
+            return self.share[a]
+        if (a, b) not in self._same:
+            shorter, link = self.same_region(a, b - 1), self.share[b - 1]
+            w = self.at_least(f"w_{a}_{b}", [shorter + link - 1])
+            self.model += w <= shorter, f"w_le_left_{a}_{b}"
+            self.model += w <= link, f"w_le_link_{a}_{b}"
+            self.model += w <= self.same_region(a + 1, b), f"w_le_right_{a}_{b}"  # redundant when integral
+            self._same[a, b] = w
+        return self._same[a, b]
+
+    def cached(self, group: TensorGroup) -> Expr:
+        return pulp.lpSum(self.choose[group.producer][o] for o in group.caching_options)
+
+    def at_least(self, name: str, bounds: Iterable[Expr]) -> pulp.LpVariable:
+        """A continuous variable >= 0 and >= every bound; the memory constraints push it down to their maximum."""
+        var = pulp.LpVariable(name, lowBound=0)
+        kept = [pulp.LpAffineExpression(b) for b in bounds]
+        for i, bound in enumerate(kept):
+            self.model += var >= bound, f"{name}_lb{i}"
+        self.lower_bounds[name] = kept
+        return var
+
+    # liveness of one group
+    def _consumed_by(self, g: TensorGroup, k: int) -> Expr:
+        """Lower bound of "cached, no saver in the region, and the region's recomputation ran before ``k``"."""
+        first = g.first_saver if g.first_saver is not None else self.problem.num_stages
+        return self.cached(g) - self.same_region(g.producer, min(first, k))
+
+    def _held_conditions(self, g: TensorGroup) -> dict[int, list[Expr]]:
+        """For each backward stage ``k``, the new reasons ``g`` is alive when ``k``'s backward starts."""
+        n, p = self.problem.num_stages, g.producer
+        conditions: dict[int, list[Expr]] = defaultdict(list)
+        for s in g.savers:
+            conditions[s].append(1 - self.recomputed(s))
+        for c in g.consumers - {p}:
+            conditions[c].append(self.recomputed(c) - self.same_region(p, c))
+            for k in range(p + 1, c):
+                conditions[k].append(self.same_region(k, c) - self.same_region(p, c))
+        if g.caching_options:  # held from the first saver in the region, else until the recomputation consumes it
+            first = g.first_saver if g.first_saver is not None else n
+            for k in range(p + 1, min(first, n - 1) + 1):
+                conditions[k].append(self._consumed_by(g, k))
+            if first < n:
+                conditions[first].append(self.cached(g))
+        return conditions
+
+    def _liveness(self, index: int, g: TensorGroup) -> "_GroupLiveness":
+        conditions = self._held_conditions(g)
+        start: dict[int, pulp.LpVariable] = {}
+        if conditions:
+            for k in range(min(conditions), max(conditions) + 1):
+                earlier = [start[k - 1]] if k - 1 in start else []
+                start[k] = self.at_least(f"start_{index}_{k}", earlier + conditions.get(k, []))
+        after: dict[int, pulp.LpVariable] = {}
+        if g.caching_options:  # consumed by a recomputation at k - 1: gone when k starts, but not yet after k-1
+            n, p = self.problem.num_stages, g.producer
+            last = min(g.first_saver if g.first_saver is not None else n, n)
+            for k in range(p + 1, last + 1):
+                before = [start[min(k - 1, max(start))]] if start and k - 1 >= min(start) else []
+                after[k] = self.at_least(f"after_{index}_{k}", before + [self._consumed_by(g, k)])
+        return _GroupLiveness(g, start, after, self._held_at_all(index, g))
+
+    def _held_at_all(self, index: int, g: TensorGroup) -> pulp.LpVariable | None:
+        """1 when anything holds ``g`` or a recomputation consumes it: then it lives to the end of the forward."""
+        p = g.producer
+        ways = [1 - self.recomputed(s) for s in g.savers]
+        ways += [self.recomputed(c) - self.same_region(p, c) for c in g.consumers - {p}]
+        ways += [self.cached(g)] if g.caching_options else []
+        return self.at_least(f"held_{index}", ways) if ways else None
+
+    def _output_consumed(self, index: int, g: TensorGroup, k: int) -> pulp.LpVariable | None:
+        """A cached model output with no saver in its region is counted again when the recomputation at k consumes it."""
+        p, first = g.producer, g.first_saver
+        if not g.caching_options or k < p or (first is not None and k >= first):
+            return None
+        bound = self.cached(g) + self.same_region(p, k) + self.region_end(k) - 2
+        if first is not None:
+            bound -= self.same_region(p, first)
+        return self.at_least(f"consumed_{index}_{k}", [bound])
+
+    # copies
+    def _copies(self, p: int, k: int, saved_before: int) -> pulp.LpVariable | None:
+        """Bytes of ``p``'s tensors whose first saver is ``<= saved_before``, recomputed again, if ``p .. k`` share a
+        region."""
+        groups = [g for g in self.groups if g.producer == p and g.savers and g.first_saver <= saved_before]
+        if not groups:
+            return None
+        terms = [g.nbytes * (self.same_region(p, k) - self.cached(g)) for g in groups]
+        return self.at_least(f"copies_{p}_{k}_{saved_before}", [pulp.lpSum(terms)])
+
+    def _copy_terms(self) -> tuple[list[list], list[list]]:
+        """Copies alive when each stage's backward starts, and those still needed after it (saved earlier)."""
+        n = self.problem.num_stages
+        at_start: list[list] = [[] for _ in range(n)]
+        after: list[list] = [[] for _ in range(n)]
+        for p in range(n):
+            for k in range(p, n):
+                var = self._copies(p, k, k)
+                if var is not None:
+                    at_start[k].append(var)
+                if k > p:
+                    newly = any(g.producer == p and g.first_saver == k for g in self.groups)
+                    var = self._copies(p, k, k - 1) if newly else var
+                    if var is not None:
+                        after[k].append(var)
+        return at_start, after
+
+    def _recompute_workspace(self, k: int) -> pulp.LpVariable | None:
+        """``ws[k]``: the largest recompute workspace of a region ending at ``k``, plus ``k``'s output gradients."""
+        stages = self.problem.stages
+        output_grads = getattr(stages[k], "output_grad_bytes", 0)
+        floor, bounds = 0, []
+        for j in range(k, -1, -1):
+            need = stages[j].recompute_workspace + output_grads
+            if need > floor:
+                floor = need
+                together = self.region_end(k) if j == k else self.same_region(j, k) + self.region_end(k) - 1
+                bounds.append(need * together)
+        return self.at_least(f"ws_{k}", bounds) if bounds else None
+
+    # events
+    def _events(self) -> tuple[Event, ...]:
+        problem, n = self.problem, self.problem.num_stages
+        terms = _EventTerms(n, problem)
+        for index, g in enumerate(self.groups):
+            self._add_group(index, g, terms)
+        copies_start, copies_after = self._copy_terms()
+        events = [Event(Phase.FORWARD, k, pulp.lpSum(terms.forward[k])) for k in range(n)]
+        fixed, later_grads = problem.fixed_bytes, 0
+        for k in reversed(range(n)):
+            stage = problem.stages[k]
+            start = pulp.lpSum(terms.start[k] + copies_start[k])
+            workspace = self._recompute_workspace(k)
+            events.append(Event(Phase.RECOMPUTE, k, fixed + later_grads + pulp.lpSum(
+                terms.recompute[k] + copies_start[k]) + (workspace if workspace is not None else 0)))
+            events.append(Event(Phase.BACKWARD_START, k, fixed + later_grads + start))
+            later_grads += stage.grad_bytes
+            events.append(Event(Phase.BACKWARD, k, fixed + later_grads + stage.backward_workspace_bytes
+                                + pulp.lpSum(terms.after[k] + copies_after[k])))
+        return tuple(events)
+
+    def _add_group(self, index: int, g: TensorGroup, terms: "_EventTerms") -> None:
+        n, p, size = self.problem.num_stages, g.producer, g.nbytes
+        for k in range(p, g.unheld_forward_until + 1):
+            terms.forward[k].append(size)
+        beyond = range(max(p, g.unheld_forward_until + 1), n)
+        if g.is_output:  # the caller holds it throughout
+            for k in beyond:
+                terms.forward[k].append(size)
+            for k in range(n):
+                terms.start[k].append(size)
+                terms.after[k].append(size)
+                consumed = self._output_consumed(index, g, k)
+                terms.recompute[k].append(size if consumed is None else size + size * consumed)
+            return
+        live = self._liveness(index, g)
+        if live.held_at_all is None:
+            return
+        for k in beyond:
+            terms.forward[k].append(size * live.held_at_all)
+        for k in range(n):
+            for bucket, var in ((terms.start, live.start_at(k)), (terms.after, live.after_at(k)),
+                                (terms.recompute, live.after_at(k + 1))):
+                if var is not None:
+                    bucket[k].append(size * var)
+
+    # evaluating the encoding on a schedule, without a solver
+    def decision_values(self, schedule: Schedule) -> dict[str, float]:
+        n = self.problem.num_stages
+        owner = schedule.region_index(n)
+        values = {v.name: 0.0 for row in self.choose for v in row}
+        values.update({v.name: 0.0 for v in self.share})
+        for r in schedule.regions:
+            for k in r.stages:
+                values[self.choose[k][r.option_of(k)].name] = 1.0
+        for k in range(n - 1):
+            if owner[k] is not None and owner[k] == owner[k + 1]:
+                values[self.share[k].name] = 1.0
+        return values
+
+    def tight_values(self, schedule: Schedule) -> dict[str, float]:
+        """Every variable's value for ``schedule``: decisions from it, the rest at the maximum of their bounds."""
+        values = self.decision_values(schedule)
+        for name in self.lower_bounds:  # created in dependency order: bounds only use earlier variables
+            values[name] = max([0.0] + [_evaluate(b, values) for b in self.lower_bounds[name]])
+        return values
+
+    def event_values(self, values: dict[str, float]) -> list[float]:
+        return [_evaluate(e.bytes, values) for e in self.events]
+
+
+def _evaluate(expr: Expr, values: dict[str, float]) -> float:
+    return sum(coefficient * values[var.name] for var, coefficient in expr.items()) + expr.constant
+
+
+def encoded_peak(problem: Problem, schedule: Schedule) -> int:
+    """The peak the encoding assigns to ``schedule``; equals ``simulate(problem, schedule).peak_bytes``.
+
+    >>> from planner.problem import Problem, Stage, TensorInfo
+    >>> problem = Problem((Stage("a", 1.0, 2.0), Stage("b", 1.0, 2.0)),
+    ...                   (TensorInfo("x", 10, 0, frozenset({1}), frozenset({0, 1})),))
+    >>> schedule = Schedule.uniform(2)
+    >>> encoded_peak(problem, schedule) == simulate(problem, schedule).peak_bytes == 10
+    True
+    """
+    encoding = Encoding(problem)
+    return round(max(encoding.event_values(encoding.tight_values(schedule)), default=0))
+
+
+# --- solving ---------------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class _Outcome:
+    schedule: Schedule | None  # None when infeasible or no solution found in time
+    proven: bool  # optimal (within the requested gap) or infeasible, proven by the solver
+    gap: float | None  # relative gap from the best bound, where known
+    infeasible: bool
+
+
+def _memory_unit(problem: Problem) -> int:
+    """A power of two that scales bytes to at most about a million, so solver tolerances stay below a byte."""
+    eager = simulate(problem, store_all(problem)).peak_bytes
+    return 2 ** max(0, math.ceil(math.log2(max(eager, 1) / 1e6)))
+
+
+def _has_highs() -> bool:
+    return importlib.util.find_spec("highspy") is not None
+
+
+def _run(model: pulp.LpProblem, time_limit: float, gap: float, warm: bool) -> tuple[int, int, float | None]:
+    """Solve ``model``; return PuLP's status, solution status and the best bound when the solver reports one."""
+    if _has_highs():
+        solver = pulp.HiGHS(msg=False, timeLimit=time_limit, gapRel=gap)
+        model.solve(solver)
+        info = model.solverModel.getInfo() if hasattr(model, "solverModel") else None
+        return model.status, model.sol_status, getattr(info, "mip_dual_bound", None)
+    handle, log_path = tempfile.mkstemp(suffix=".log", prefix="planner_cbc_")
+    os.close(handle)
+    try:
+        solver = pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit, gapRel=gap, warmStart=warm, logPath=log_path)
+        model.solve(solver)
+        with open(log_path) as log:
+            bound = _cbc_bound(log.read())
+    finally:
+        os.unlink(log_path)
+    return model.status, model.sol_status, bound
+
+
+def _cbc_bound(log: str) -> float | None:
+    match = re.search(r"^Lower bound:\s*(\S+)", log, re.MULTILINE)
+    try:
+        return float(match.group(1)) if match else None
+    except ValueError:
+        return None
+
+
+def _schedule_from_solution(encoding: Encoding) -> Schedule:
+    n = encoding.problem.num_stages
+    pick = [next((o for o, v in enumerate(row) if (v.value() or 0) > 0.5), None) for row in encoding.choose]
+    joined = [(encoding.share[k].value() or 0) > 0.5 for k in range(n - 1)]
+    regions, start = [], None
+    for k in range(n):
+        if pick[k] is None:
+            continue
+        start = k if start is None else start
+        if k == n - 1 or not joined[k] or pick[k + 1] is None:
+            regions.append(Region(start, k + 1, tuple(pick[start:k + 1])))
+            start = None
+    return Schedule(tuple(regions))
+
+
+def _warm_start(encoding: Encoding, schedule: Schedule | None) -> bool:
+    if schedule is None:
+        return False
+    for name, value in encoding.tight_values(schedule).items():
+        encoding.model.variablesDict()[name].setInitialValue(value)
+    return True
+
+
+def _solve_model(encoding: Encoding, time_limit: float, gap: float, warm: Schedule | None) -> _Outcome:
+    status, solution, bound = _run(encoding.model, time_limit, gap, _warm_start(encoding, warm))
+    if status == pulp.LpStatusInfeasible or solution == pulp.LpSolutionInfeasible:
+        return _Outcome(None, True, None, True)
+    if solution not in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
+        return _Outcome(None, False, None, False)
+    objective = pulp.value(encoding.model.objective) or 0.0
+    proven = solution == pulp.LpSolutionOptimal
+    relative = None
+    if bound is not None and objective > 0:
+        relative = max(0.0, (objective - bound) / abs(objective))
+    elif proven:
+        relative = 0.0
+    if proven and gap == 0.0:
+        relative = 0.0
+    return _Outcome(_schedule_from_solution(encoding), proven and (relative or 0.0) <= 1e-9, relative, False)
+
+
+def _budget_model(problem: Problem, budget_bytes: int) -> Encoding:
+    encoding = Encoding(problem)
+    unit = _memory_unit(problem)
+    for i, event in enumerate(encoding.events):
+        encoding.model += (1.0 / unit) * event.bytes <= budget_bytes / unit, f"budget_{i}"
+    seconds = [o.recompute_seconds for s in problem.stages for o in s.recompute_options]
+    scale = max(max(seconds, default=1.0), 1e-12)
+    encoding.model += pulp.lpSum(o.recompute_seconds / scale * encoding.choose[k][i]
+                                 for k, s in enumerate(problem.stages) for i, o in enumerate(s.recompute_options))
+    return encoding
+
+
+def _check_encoding(encoding: Encoding, schedule: Schedule) -> int:
+    """Simulate ``schedule`` and insist the encoding agrees; return the peak."""
+    peak = simulate(encoding.problem, schedule).peak_bytes
+    encoded = round(max(encoding.event_values(encoding.tight_values(schedule)), default=0))
+    if encoded != peak:
+        raise RuntimeError(f"internal error: the ILP encoding gives schedule {schedule} a peak of {encoded} bytes but "
+                           f"simulate gives {peak}; please report this with the problem")
+    return peak
+
+
+def solve_ilp(problem: Problem, budget_bytes: int, *, time_limit: float = 60.0, gap: float = 0.0) -> Plan:
+    """The schedule with the least recompute time whose simulated peak fits ``budget_bytes``.
+
+    Status ``OPTIMAL`` when the solver proves it, ``FEASIBLE`` when ``time_limit`` seconds ran out (or ``gap`` > 0
+    stopped it) with a schedule in hand; ``gap`` in the plan is then the relative distance to the best bound, or
+    None where the solver does not report one. Raises :class:`~planner.errors.InfeasibleBudgetError` (with the
+    smallest achievable peak) when no schedule fits, and :class:`~planner.errors.PlannerError` when the time ran
+    out before any schedule was found.
+
+    >>> from planner.problem import Problem, Stage, TensorInfo
+    >>> problem = Problem((Stage("a", 1.0, 2.0),), (TensorInfo("x", 100, 0, savers=frozenset({0})),),
+    ...                   fixed_bytes=1000)
+    >>> solve_ilp(problem, 1050)
+    Traceback (most recent call last):
+    ...
+    planner.errors.InfeasibleBudgetError: budget 1.03 KiB is below the smallest peak any plan reaches, 1.07 KiB ...
+    """
+    started = time.perf_counter()
+    if simulate(problem, store_all(problem)).peak_bytes <= budget_bytes:
+        return Plan.from_schedule(problem, store_all(problem), solver="ilp", status=SolverStatus.OPTIMAL, gap=0.0,
+                                  solve_seconds=time.perf_counter() - started, budget_bytes=budget_bytes)
+    target = budget_bytes
+    for _ in range(4):  # tighten when solver tolerances let a solution exceed the budget by a few bytes
+        encoding = _budget_model(problem, target)
+        outcome = _solve_model(encoding, time_limit, gap, fewest_blocks(problem, target))
+        if outcome.infeasible:
+            raise infeasible_budget_error(problem, budget_bytes, min_peak_schedule(problem, time_limit=time_limit)[0])
+        if outcome.schedule is None:
+            raise PlannerError(f"the ILP found no plan within {time_limit:g} s for budget {budget_bytes} bytes",
+                               hint="raise time_limit, or use method='dp' on chains")
+        peak = _check_encoding(encoding, outcome.schedule)
+        if peak <= budget_bytes:
+            status = SolverStatus.OPTIMAL if outcome.proven else SolverStatus.FEASIBLE
+            return Plan.from_schedule(problem, outcome.schedule, solver="ilp", status=status,
+                                      gap=0.0 if outcome.proven else outcome.gap,
+                                      solve_seconds=time.perf_counter() - started, budget_bytes=budget_bytes)
+        target -= peak - target
+    raise RuntimeError("internal error: the ILP kept returning plans above the budget")
+
+
+def min_peak_schedule(problem: Problem, *, time_limit: float = 60.0) -> tuple[Schedule, bool]:
+    """A schedule reaching the smallest peak any schedule reaches, and whether the solver proved it smallest."""
+    encoding = Encoding(problem)
+    unit = _memory_unit(problem)
+    peak = pulp.LpVariable("peak", lowBound=0)
+    for i, event in enumerate(encoding.events):
+        encoding.model += (1.0 / unit) * event.bytes <= peak, f"peak_{i}"
+    encoding.model += peak
+    candidates = [store_all(problem), uniform(problem), chen_sqrt(problem)]
+    warm = min(candidates, key=lambda s: simulate(problem, s).peak_bytes)
+    peak.setInitialValue(max(encoding.event_values(encoding.tight_values(warm)), default=0) / unit)
+    outcome = _solve_model(encoding, time_limit, 0.0, warm)
+    if outcome.schedule is None:
+        return warm, False
+    _check_encoding(encoding, outcome.schedule)
+    if simulate(problem, warm).peak_bytes < simulate(problem, outcome.schedule).peak_bytes:
+        return warm, False
+    return outcome.schedule, outcome.proven
+
+
+def min_peak_ilp(problem: Problem, *, time_limit: float = 60.0) -> Plan:
+    """The plan with the smallest achievable peak: status OPTIMAL when proven, else FEASIBLE.
+
+    >>> from planner.problem import Problem, Stage, TensorInfo
+    >>> problem = Problem((Stage("a", 1.0, 2.0), Stage("b", 1.0, 2.0)),
+    ...                   (TensorInfo("x", 10, 0, frozenset({1}), frozenset({0, 1})),
+    ...                    TensorInfo("y", 50, 0, frozenset({0}), frozenset({0}))))
+    >>> min_peak_ilp(problem).predicted_peak_bytes
+    60
+    """
+    started = time.perf_counter()
+    schedule, proven = min_peak_schedule(problem, time_limit=time_limit)
+    status = SolverStatus.OPTIMAL if proven else SolverStatus.FEASIBLE
+    return Plan.from_schedule(problem, schedule, solver="ilp-min-peak", status=status,
+                              solve_seconds=time.perf_counter() - started)

@@ -1,0 +1,161 @@
+"""Random planning problems and brute force over every schedule, for the solver tests (torch-free).
+
+``random_chain`` builds problems where :meth:`Problem.is_chain` holds; ``random_dag`` adds tensors with several
+consumers far ahead (skip connections), savers that are not readers, outputs and shared nodes. Option 0 of every
+stage recomputes everything at the stage's forward time; later options cache some of the stage's nodes.
+
+>>> problem = random_chain(4, seed=1)
+>>> problem.is_chain(), problem.num_stages
+(True, 4)
+>>> len(all_schedules(problem)) > 100
+True
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import random
+
+from planner.problem import Problem, RecomputeOption, Region, Schedule, Stage, TensorInfo, simulate
+
+
+def _options(rng: random.Random, stage: int, forward_seconds: float, nodes: list[str],
+             num_options: int) -> tuple[RecomputeOption, ...]:
+    options = [RecomputeOption("recompute_all", frozenset(), forward_seconds)]
+    for o in range(1, num_options):
+        cached = frozenset(rng.sample(nodes, rng.randint(1, len(nodes))))
+        seconds = round(forward_seconds * rng.uniform(0.05, 0.9), 3)
+        options.append(RecomputeOption(f"cache{o}_s{stage}", cached, seconds))
+    return tuple(options)
+
+
+_STAGE_FIELDS = {f.name for f in dataclasses.fields(Stage)}
+
+
+def _stage(rng: random.Random, k: int, nodes: list[str], num_options: int, unit: int) -> Stage:
+    forward = round(rng.uniform(0.5, 3.0), 3)
+    extra = {"output_grad_bytes": unit * rng.choice([0, 0, 2, 5])} if "output_grad_bytes" in _STAGE_FIELDS else {}
+    return Stage(f"s{k}", forward_seconds=forward, backward_seconds=round(2 * forward, 3),
+                 grad_bytes=unit * rng.choice([0, 0, 1, 3]),
+                 forward_workspace_bytes=unit * rng.choice([0, 1, 4, 12]),
+                 backward_workspace_bytes=unit * rng.choice([0, 2, 8]),
+                 recompute_workspace_bytes=rng.choice([None, unit * rng.choice([0, 6, 20])]),
+                 options=_options(rng, k, forward, nodes, num_options), **extra)
+
+
+def random_chain(n: int, seed: int = 0, *, num_options: int = 2, unit: int = 8, outputs: bool = True) -> Problem:
+    """A chain: every tensor is read and saved only by its producer and the next stage (outputs anywhere)."""
+    rng = random.Random(seed)
+    tensors: list[TensorInfo] = []
+    stages: list[Stage] = []
+    for p in range(n):
+        nodes = [f"n{p}_{j}" for j in range(rng.randint(1, 3))]
+        for j in range(rng.randint(1, 4)):
+            nxt = {p + 1} if p + 1 < n else set()
+            consumers = frozenset(s for s in {p} | nxt if rng.random() < 0.6)
+            savers = frozenset(s for s in {p} | nxt if rng.random() < 0.5)
+            tensors.append(TensorInfo(f"t{p}_{j}", unit * rng.randint(1, 25), p, consumers, savers,
+                                      node=rng.choice(nodes)))
+        if outputs and rng.random() < 0.15:
+            savers = frozenset(rng.sample(range(p, n), rng.randint(0, min(2, n - p))))
+            tensors.append(TensorInfo(f"out{p}", unit * rng.randint(1, 10), p, frozenset(), savers,
+                                      node=rng.choice(nodes), is_output=True))
+        stages.append(_stage(rng, p, nodes, num_options, unit))
+    return Problem(tuple(stages), tuple(tensors), fixed_bytes=unit * rng.randint(0, 40), name=f"chain{n}_{seed}")
+
+
+def random_dag(n: int, seed: int = 0, *, num_options: int = 2, unit: int = 8, reach: int = 3) -> Problem:
+    """A DAG-like problem: tensors read and saved up to ``reach`` stages ahead, outputs with readers, shared nodes."""
+    rng = random.Random(seed)
+    tensors: list[TensorInfo] = []
+    stages: list[Stage] = []
+    for p in range(n):
+        nodes = [f"n{p}_{j}" for j in range(rng.randint(1, 3))]
+        ahead = list(range(p, min(n, p + reach + 1)))
+        for j in range(rng.randint(1, 4)):
+            consumers = frozenset(rng.sample(ahead, rng.randint(0, len(ahead))))
+            savers = frozenset(rng.sample(ahead, rng.randint(0, min(2, len(ahead)))))
+            tensors.append(TensorInfo(f"t{p}_{j}", unit * rng.randint(1, 25), p, consumers, savers,
+                                      node=rng.choice(nodes), is_output=rng.random() < 0.05))
+        stages.append(_stage(rng, p, nodes, num_options, unit))
+    return Problem(tuple(stages), tuple(tensors), fixed_bytes=unit * rng.randint(0, 40), name=f"dag{n}_{seed}")
+
+
+def all_schedules(problem: Problem) -> list[Schedule]:
+    """Every schedule: each stage stored or recomputed with one option, adjacent recomputed stages joined or not."""
+    n = problem.num_stages
+    choices = [[None, *range(len(s.recompute_options))] for s in problem.stages]
+    schedules = []
+    for picks in itertools.product(*choices):
+        joinable = [k for k in range(n - 1) if picks[k] is not None and picks[k + 1] is not None]
+        for joins in itertools.product((False, True), repeat=len(joinable)):
+            schedules.append(_build(picks, dict(zip(joinable, joins))))
+    return schedules
+
+
+def _build(picks, joined: dict[int, bool]) -> Schedule:
+    regions: list[Region] = []
+    start = None
+    for k, pick in enumerate(picks):
+        if pick is None:
+            continue
+        if start is None:
+            start = k
+        if not joined.get(k, False) or k + 1 == len(picks) or picks[k + 1] is None:
+            regions.append(Region(start, k + 1, tuple(picks[start:k + 1])))
+            start = None
+    return Schedule(tuple(regions))
+
+
+def brute_force_table(problem: Problem) -> list[tuple[int, float, Schedule]]:
+    """``(peak, recompute_seconds, schedule)`` for every schedule."""
+    table = []
+    for schedule in all_schedules(problem):
+        evaluation = simulate(problem, schedule)
+        table.append((evaluation.peak_bytes, evaluation.recompute_seconds, schedule))
+    return table
+
+
+def brute_force_best(table: list[tuple[int, float, Schedule]], budget: int) -> float | None:
+    """Least recompute time among schedules within ``budget``; None when none fits."""
+    fitting = [seconds for peak, seconds, _ in table if peak <= budget]
+    return min(fitting) if fitting else None
+
+
+def layered_chain(n: int, seed: int = 0, *, tensors_per_stage: int = 8, unit: int = 1 << 20) -> Problem:
+    """A chain shaped like a stack of transformer blocks, with the planner's option menus.
+
+    Each stage saves its own intermediate tensors and reads (and saves) its predecessor's output; options cache
+    growing shares of the stage's nodes, best seconds-per-byte first (a nested menu, as ``costmodel`` builds).
+    """
+    rng = random.Random(seed)
+    tensors: list[TensorInfo] = []
+    stages: list[Stage] = []
+    for p in range(n):
+        nodes = [f"n{p}_{j}" for j in range(tensors_per_stage)]
+        node_seconds = [rng.uniform(0.01, 0.2) for _ in nodes]
+        for j, node in enumerate(nodes[:-1]):
+            tensors.append(TensorInfo(f"t{p}_{j}", unit * rng.randint(1, 8), p, frozenset(), frozenset({p}), node))
+        out_savers = frozenset({p + 1} if p + 1 < n else set()) | ({p} if rng.random() < 0.5 else set())
+        tensors.append(TensorInfo(f"out{p}", unit * 4, p, frozenset({p + 1}) if p + 1 < n else frozenset(),
+                                  out_savers, nodes[-1]))
+        forward = sum(node_seconds)
+        ranked = sorted(range(len(nodes)), key=lambda j: node_seconds[j], reverse=True)
+        options = [RecomputeOption("recompute_all", frozenset(), forward)]
+        for share in (0.25, 0.5, 0.75, 1.0):
+            chosen = ranked[:max(1, round(share * len(ranked)))]
+            options.append(RecomputeOption(f"cache_{int(share * 100)}pct", frozenset(nodes[j] for j in chosen),
+                                           forward - sum(node_seconds[j] for j in chosen)))
+        stages.append(Stage(f"block{p}", forward_seconds=forward, backward_seconds=2 * forward,
+                            grad_bytes=unit * 2, forward_workspace_bytes=unit * 4,
+                            backward_workspace_bytes=unit * 6, options=tuple(options)))
+    return Problem(tuple(stages), tuple(tensors), fixed_bytes=unit * 64, name=f"layered{n}_{seed}")
+
+
+def random_schedule(problem: Problem, rng: random.Random, recompute_share: float = 0.6) -> Schedule:
+    """A random schedule: each stage recomputed with probability ``recompute_share``, random options and splits."""
+    picks = [rng.randrange(len(s.recompute_options)) if rng.random() < recompute_share else None
+             for s in problem.stages]
+    joined = {k: rng.random() < 0.6 for k in range(problem.num_stages - 1)}
+    return _build(picks, joined)

@@ -1,0 +1,114 @@
+"""The ILP: its encoding reproduces ``simulate``, and its optimum equals brute force over every schedule."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from planner.errors import InfeasibleBudgetError, PlannerError
+from planner.plan import SolverStatus
+from planner.problem import Schedule, simulate
+from planner.solvers.ilp import Encoding, _cbc_bound, encoded_peak, group_tensors, min_peak_ilp, solve_ilp
+from tests.solver_problems import (brute_force_best, brute_force_table, layered_chain, random_chain, random_dag,
+                                   random_schedule)
+
+TINY = [(random_chain, 4, 0), (random_chain, 4, 5), (random_chain, 5, 7), (random_dag, 4, 1), (random_dag, 4, 6),
+        (random_dag, 5, 3)]
+
+
+@pytest.mark.parametrize("problem", [random_chain(9, 1), random_dag(8, 2), random_dag(10, 4, reach=6),
+                                     random_dag(7, 5, num_options=3), layered_chain(12, 1)],
+                         ids=lambda p: p.name)
+def test_encoding_gives_every_schedule_the_simulated_peak(problem):
+    encoding = Encoding(problem)
+    rng = random.Random(0)
+    for _ in range(60):
+        schedule = random_schedule(problem, rng, recompute_share=rng.choice([0.3, 0.7, 1.0]))
+        encoded = max(encoding.event_values(encoding.tight_values(schedule)))
+        assert round(encoded) == simulate(problem, schedule).peak_bytes, schedule
+
+
+def test_encoding_event_values_match_simulate_event_by_event():
+    problem = random_dag(6, 8)
+    schedule = random_schedule(problem, random.Random(3), recompute_share=0.8)
+    encoding = Encoding(problem)
+    values = encoding.event_values(encoding.tight_values(schedule))
+    simulated = {(e.phase, e.stage): e.total_bytes for e in simulate(problem, schedule).events}
+    for event, value in zip(encoding.events, values):
+        if (event.phase, event.stage) in simulated:
+            assert round(value) == simulated[event.phase, event.stage], event
+        else:  # a recomputation where no region ends: never above the backward start
+            assert event.phase.value == "recompute"
+
+
+def test_groups_sum_tensors_with_identical_rules():
+    problem = layered_chain(4, 0)
+    groups = group_tensors(problem)
+    assert sum(g.nbytes for g in groups) == sum(t.nbytes for t in problem.tensors)
+    assert len(groups) < len(problem.tensors)
+
+
+@pytest.mark.parametrize("maker,n,seed", TINY)
+def test_ilp_matches_brute_force_over_all_schedules(maker, n, seed):
+    problem = maker(n, seed)
+    table = brute_force_table(problem)
+    peaks = sorted({peak for peak, _, _ in table})
+    smallest = peaks[0]
+    for budget in (smallest, peaks[len(peaks) // 6], peaks[len(peaks) // 3], peaks[len(peaks) // 2]):
+        plan = solve_ilp(problem, budget)
+        assert plan.status == SolverStatus.OPTIMAL and plan.solver == "ilp"
+        assert plan.predicted_peak_bytes <= budget
+        assert plan.predicted_recompute_seconds == pytest.approx(brute_force_best(table, budget), abs=1e-9)
+    with pytest.raises(InfeasibleBudgetError) as info:
+        solve_ilp(problem, smallest - 1)
+    assert info.value.minimum_budget_bytes == smallest
+    assert min_peak_ilp(problem).predicted_peak_bytes == smallest
+
+
+def test_ilp_reported_peak_is_the_simulated_and_encoded_peak():
+    problem = random_dag(9, 11)
+    eager = simulate(problem, Schedule()).peak_bytes
+    smallest = min_peak_ilp(problem).predicted_peak_bytes
+    for budget in (smallest, (smallest + eager) // 2):
+        plan = solve_ilp(problem, budget)
+        peak = simulate(problem, plan.schedule).peak_bytes
+        assert plan.predicted_peak_bytes == peak == encoded_peak(problem, plan.schedule)
+        assert peak <= budget
+
+
+def test_a_budget_the_eager_step_fits_needs_no_recomputation():
+    problem = random_chain(6, 2)
+    plan = solve_ilp(problem, simulate(problem, Schedule()).peak_bytes)
+    assert plan.regions == () and plan.status == SolverStatus.OPTIMAL and plan.gap == 0.0
+
+
+def test_infeasible_error_explains_the_minimum():
+    problem = random_dag(5, 9)
+    smallest = min_peak_ilp(problem).predicted_peak_bytes
+    with pytest.raises(InfeasibleBudgetError) as info:
+        solve_ilp(problem, smallest // 2)
+    text = str(info.value)
+    assert info.value.minimum_budget_bytes == smallest
+    assert "below the smallest peak" in text and "eager peak" in text and "fixed memory" in text
+
+
+def test_a_short_time_limit_still_returns_a_plan_within_budget():
+    problem = random_chain(16, 3)
+    eager = simulate(problem, Schedule()).peak_bytes
+    uniform = simulate(problem, Schedule.uniform(16)).peak_bytes
+    budget = (eager + uniform) // 2
+    try:
+        plan = solve_ilp(problem, budget, time_limit=0.5)
+    except PlannerError as error:  # no plan found in time: said so, not a wrong plan
+        assert "within" in str(error)
+        return
+    assert plan.predicted_peak_bytes <= budget
+    if plan.status == SolverStatus.FEASIBLE:
+        assert plan.gap is None or plan.gap >= 0
+
+
+def test_cbc_log_bound_parsing():
+    log = "Result - Stopped on time limit\n\nObjective value:                12.5\nLower bound:                    10.0\n"
+    assert _cbc_bound(log) == 10.0
+    assert _cbc_bound("Result - Optimal solution found\n") is None
