@@ -7,7 +7,9 @@
   most time per byte (matmuls and attention first), in growing shares of the stage's cacheable bytes. Random ops
   (dropout) are never cached, so a recomputation draws the same random numbers in the same order.
 * Workspaces are calibrated: the memory a stage's forward or backward measured in an eager step, beyond what the
-  execution model accounts for (activation gradients, temporaries). The model then reproduces the eager step.
+  execution model accounts for (activation gradients, temporaries). The backward peak is calibrated twice, seen
+  from the stage's start (all it saved alive) and from its end (only what outlives it): the model then
+  reproduces the eager step, and for other schedules takes the higher of the two readings.
 
 >>> import torch
 >>> from planner.capture import capture
@@ -215,10 +217,14 @@ def calibrate(problem: Problem, measured: StageMeasurement) -> Problem:
     events = simulate(problem, Schedule.store_all(problem.num_stages)).events
     forward = {e.stage: e for e in events if e.phase is Phase.FORWARD}
     backward = {e.stage: e for e in events if e.phase is Phase.BACKWARD}
+    started = {e.stage: e for e in events if e.phase is Phase.BACKWARD_START}
     stages = []
     for k, stage in enumerate(problem.stages):
         fwd_ws = max(0, measured.forward_peak[k] - forward[k].activation_bytes)
         bwd_ws = max(0, measured.backward_peak[k] - backward[k].activation_bytes - backward[k].gradient_bytes)
+        # the same measured peak seen from the stage's start (its own gradients then count as workspace)
+        start_ws = max(0, measured.backward_peak[k] - started[k].activation_bytes - started[k].gradient_bytes)
         stages.append(dataclasses.replace(stage, forward_workspace_bytes=fwd_ws, backward_workspace_bytes=bwd_ws,
+                                          backward_start_workspace_bytes=start_ws,
                                           backward_seconds=measured.backward_seconds[k]))
     return dataclasses.replace(problem, stages=tuple(stages))

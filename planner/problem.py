@@ -21,7 +21,8 @@ carries. The rules, for a tensor ``t`` produced by stage ``p``:
 * backward: at the start of stage ``k``'s backward, ``t`` is alive when some holder has ``h <= k``; a stage's
   backward frees what only it held as it goes, so its peak is taken as what outlives it (holders ``h <= k - 1``,
   recomputed copies still needed by earlier stages of its region) plus a measured *backward workspace* (its own
-  saved tensors not yet freed, activation gradients, temporaries), whichever of the two moments is higher;
+  saved tensors not yet freed, activation gradients, temporaries), or as everything alive when it starts plus a
+  measured *backward-start workspace*, whichever of the two moments is higher;
 * recomputation: when the backward reaches the last stage of a region, the region is re-run and every tensor its
   stages save is materialised again (a second copy if the original is still held elsewhere, no copy if cached);
   each copy lives until the backward of the first stage in the region that saves it; meanwhile the gradients of
@@ -76,6 +77,7 @@ class Stage:
     recompute_workspace_bytes: int | None = None
     options: tuple[RecomputeOption, ...] = ()
     output_grad_bytes: int = 0
+    backward_start_workspace_bytes: int = 0
 
     @property
     def recompute_options(self) -> tuple[RecomputeOption, ...]:
@@ -344,7 +346,8 @@ def simulate(problem: Problem, schedule: Schedule) -> Evaluation:
                 + problem.stages[k].output_grad_bytes
             act = start + consumed[k]
             events.append(MemoryEvent(Phase.RECOMPUTE, k, fixed + act + grads + ws, act, grads, ws))
-        events.append(MemoryEvent(Phase.BACKWARD_START, k, fixed + start + grads, start, grads, 0))
+        ws = problem.stages[k].backward_start_workspace_bytes
+        events.append(MemoryEvent(Phase.BACKWARD_START, k, fixed + start + grads + ws, start, grads, ws))
         grads += problem.stages[k].grad_bytes
         ws = problem.stages[k].backward_workspace_bytes
         same_region = k > 0 and owner[k] is not None and owner[k - 1] == owner[k]

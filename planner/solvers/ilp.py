@@ -317,7 +317,8 @@ class Encoding:
             workspace = self._recompute_workspace(k)
             events.append(Event(Phase.RECOMPUTE, k, fixed + later_grads + pulp.lpSum(
                 terms.recompute[k] + copies_start[k]) + (workspace if workspace is not None else 0)))
-            events.append(Event(Phase.BACKWARD_START, k, fixed + later_grads + start))
+            events.append(Event(Phase.BACKWARD_START, k, fixed + later_grads + start
+                                + stage.backward_start_workspace_bytes))
             later_grads += stage.grad_bytes
             events.append(Event(Phase.BACKWARD, k, fixed + later_grads + stage.backward_workspace_bytes
                                 + pulp.lpSum(terms.after[k] + copies_after[k])))
