@@ -13,9 +13,10 @@ budget. Inside a region the options are chosen by an inner dynamic program whose
 cached so far, the cached bytes no stage saves (consumed by the recomputation) and the recomputed copies of model
 outputs; it keeps the Pareto front of (bytes, requirement, seconds).
 
-``H`` is discretised into ``buckets`` steps of ``unit`` bytes, with every tensor size rounded *up* to a multiple of
-the unit, so memory is never under-estimated. When every tensor size is already a multiple of the unit
-(``unit`` = the sizes' gcd whenever ``budget / gcd <= buckets``) and the problem :meth:`is a chain
+``H`` is discretised into ``buckets`` steps of ``unit`` bytes: what a segment adds to it is rounded *up* to whole
+units (every other byte count is exact), so memory is never under-estimated and each segment loses less than one
+unit. When every tensor size is a multiple of the unit (``unit`` = the sizes' gcd whenever
+``budget / gcd <= buckets``) and the problem :meth:`is a chain
 <planner.problem.Problem.is_chain>`, the program is exact: it returns an optimal schedule of ``simulate``'s model.
 
 On other problems tensors that reach past the next stage are assumed held from their producer on (only model
@@ -90,10 +91,6 @@ class _Pinned:
     is_output: bool
 
 
-def _round_up(nbytes: int, unit: int) -> int:
-    return -(-nbytes // unit) * unit
-
-
 def _is_local(t: TensorInfo) -> bool:
     return not t.is_output and max(t.consumers | t.savers | {t.producer}) <= t.producer + 1
 
@@ -133,7 +130,7 @@ def _stage_sums(tensors: tuple[_Local, ...], options: range) -> _StageSums:
 
 @dataclass(frozen=True)
 class _Tables:
-    """Per-stage sums over tensors, in bytes rounded up to ``unit``; see the module docstring for the events."""
+    """Per-stage sums over tensors in bytes, and the step ``unit`` of H; see the module docstring for the events."""
 
     problem: Problem
     unit: int
@@ -145,12 +142,13 @@ class _Tables:
     rec_base: tuple[int, ...]  # fixed + gradients of later stages + output gradients + pinned, at a recomputation
     sums: tuple[_StageSums, ...]
     pending: dict[tuple[int, int, str], "_Pending"]  # (i, how stage i-1 ran, kind at i) -> stage i-1's tensors
+    option_seconds: tuple[tuple[float, ...], ...]
 
     def options(self, k: int) -> range:
         return range(len(self.problem.stages[k].recompute_options))
 
     def seconds(self, k: int, option: int) -> float:
-        return self.problem.stages[k].recompute_options[option].recompute_seconds
+        return self.option_seconds[k][option]
 
 
 
@@ -159,7 +157,7 @@ def _tables(problem: Problem, unit: int) -> _Tables:
     locals_: list[list[_Local]] = [[] for _ in range(n)]
     pinned: list[list[_Pinned]] = [[] for _ in range(n)]
     for t in problem.tensors:
-        p, size = t.producer, _round_up(t.nbytes, unit)
+        p, size = t.producer, t.nbytes
         options = problem.stages[p].recompute_options
         caching = frozenset(o for o, option in enumerate(options) if t.node in option.cached_nodes)
         if _is_local(t):
@@ -185,7 +183,8 @@ def _tables(problem: Problem, unit: int) -> _Tables:
               + pinned_backward[k] for k in range(n)),
         tuple(fixed + grads_after[k] + getattr(stages[k], "output_grad_bytes", 0) + pinned_backward[k]
               for k in range(n)),
-        tuple(_stage_sums(tuple(locals_[k]), options[k]) for k in range(n)), pending)
+        tuple(_stage_sums(tuple(locals_[k]), options[k]) for k in range(n)), pending,
+        tuple(tuple(o.recompute_seconds for o in s.recompute_options) for s in stages))
 
 
 @dataclass(frozen=True)
@@ -285,6 +284,8 @@ def _closed_front(closed: list[_Closed]) -> list[_Closed]:
 def _resolve_pinned(tables: _Tables, stage: int, option: int, copies: int,
                     future: tuple[tuple[int, int, bool], ...]) -> tuple[int, tuple[tuple[int, int, bool], ...]]:
     """Move pinned tensors whose first saver is ``stage`` into copies, and add ``stage``'s own pinned tensors."""
+    if not future and not tables.pinned[stage]:
+        return copies, future
     n = tables.problem.num_stages
     entries = list(future)
     for x in tables.pinned[stage]:
@@ -441,6 +442,19 @@ def _region_need(tables: _Tables, i: int, how: int, closed: _Closed) -> tuple[in
     return max(forward, after, held + closed.need), held + closed.adds
 
 
+_BATCH = 1 << 24  # choice codes of batched moves: -(batch number * _BATCH + index in the batch)
+
+
+@dataclass(frozen=True)
+class _Batch:
+    """Regions relaxed together: one start, end, following kind and last option; ``shifts`` in units of H."""
+
+    source: tuple[int, int, str]
+    shifts: np.ndarray
+    options: list[tuple[int, ...]]
+    target: tuple[int, int, str]
+
+
 class _Outer:
     """States ``(i, how stage i-1 ran, kind of segment at i)``, each an array over H (in units) of least seconds."""
 
@@ -450,6 +464,7 @@ class _Outer:
         self.times: dict[tuple[int, int, str], np.ndarray] = {}
         self.choice: dict[tuple[int, int, str], np.ndarray] = {}
         self.moves: list[_Move] = []
+        self.batches: list[_Batch] = []
         self.lowest: dict[tuple[int, int, str], int] = {}  # first reachable H of each source state
         for kind in KINDS:
             self._state((0, NO_STAGE, kind))[0][0] = 0.0
@@ -463,7 +478,7 @@ class _Outer:
     def relax(self, source: tuple[int, int, str], need: int, adds: int, seconds: float,
               region: Region | None, target: tuple[int, int, str]) -> None:
         unit = self.tables.unit
-        shift = adds // unit
+        shift = -(-adds // unit)  # rounded up: H in units never holds less than the bytes it stands for
         top = min((self.budget - need) // unit, self.size - 1 - shift)
         if top < self.lowest[source]:
             return
@@ -474,6 +489,33 @@ class _Outer:
         self.moves.append(_Move(source, shift, region, target))
         np.copyto(dest[window], candidate, where=better)
         np.copyto(chosen[window], len(self.moves) - 1, where=better)
+
+    def relax_regions(self, source: tuple[int, int, str], pend: _Pending, closed: list[_Closed],
+                      target: tuple[int, int, str]) -> None:
+        """Relax every closed region of one start, end, following kind and last option at once."""
+        t, i, unit = self.tables, source[0], self.tables.unit
+        held = pend.own + pend.held_by_next
+        need = np.maximum(t.fwd_base[i] + held + pend.read_only + np.array([c.forward_first for c in closed]),
+                          held + np.array([c.need for c in closed]))
+        need = np.maximum(need, t.after_base[i] + pend.own)
+        shift = -(-(held + np.array([c.adds for c in closed])) // unit)
+        top = np.minimum((self.budget - need) // unit, self.size - 1 - shift)
+        keep = np.flatnonzero(top >= self.lowest[source])
+        if not len(keep):
+            return
+        shift, top = shift[keep], top[keep]
+        seconds = np.array([closed[k].seconds for k in keep])
+        low, high = int(shift.min()), int((shift + top).max()) + 1  # the columns any candidate reaches
+        h = np.arange(low, high)[None, :] - shift[:, None]
+        valid = (h >= self.lowest[source]) & (h <= top[:, None])
+        candidates = np.where(valid, np.take(self.times[source], h, mode="clip") + seconds[:, None], np.inf)
+        best = candidates.argmin(axis=0)
+        value = candidates[best, np.arange(high - low)]
+        dest, chosen = self._state(target)
+        better = value < dest[low:high]
+        self.batches.append(_Batch(source, shift, [closed[j].options for j in keep], target))
+        dest[low:high][better] = value[better]
+        chosen[low:high][better] = -(len(self.batches) * _BATCH + best[better])  # negative: a batch entry
 
     def sources(self, i: int) -> list[tuple[int, int, str]]:
         """The reachable states at position ``i`` (final once the program is there)."""
@@ -493,10 +535,15 @@ class _Outer:
     def schedule(self, key: tuple[int, int, str], h: int) -> Schedule:
         regions = []
         while key[0] > 0:
-            move = self.moves[self.choice[key][h]]
-            if move.region is not None:
-                regions.append(move.region)
-            key, h = move.source, h - move.shift
+            code = int(self.choice[key][h])
+            if code >= 0:
+                move = self.moves[code]
+                key, h = move.source, h - move.shift
+                continue
+            batch, k = divmod(-code, _BATCH)
+            record = self.batches[batch - 1]
+            regions.append(Region(record.source[0], record.target[0], record.options[k]))
+            key, h = record.source, h - int(record.shifts[k])
         return Schedule(tuple(reversed(regions)))
 
 
@@ -522,11 +569,13 @@ def _least_seconds(tables: _Tables, budget: int, limit: int) -> tuple[Schedule |
             if e is None:
                 exact &= closed
                 continue
+            by_last: dict[int, list[_Closed]] = {}
+            for c in closed:
+                by_last.setdefault(c.options[-1], []).append(c)
             for source in region_sources:
-                for c in closed:
-                    need, adds = _region_need(tables, i, source[1], c)
-                    outer.relax(source, need, adds, c.seconds, Region(i, e + 1, c.options),
-                                (e + 1, c.options[-1], kind))
+                pend = tables.pending.get((i, source[1], "region"), _NOTHING)
+                for last, group in by_last.items():
+                    outer.relax_regions(source, pend, group, (e + 1, last, kind))
     found = outer.best(n)
     return (outer.schedule(*found) if found else None), exact
 
@@ -593,13 +642,22 @@ def _unit(problem: Problem, budget_bytes: int, buckets: int) -> tuple[int, bool]
     return unit, all(size % unit == 0 for size in sizes)
 
 
-FRONT_LIMIT = 256
+FRONT_LIMIT = 256  # most Pareto points kept per inner state; fewer on long problems, see _front_limit
+
+
+def _front_limit(problem: Problem) -> int:
+    """Fronts are cut (and the result marked FEASIBLE) only past this size: all of it on short problems, less on
+    long ones, where the work grows with stages squared times the front."""
+    return max(16, min(FRONT_LIMIT, 2 ** 17 // max(problem.num_stages, 1) ** 2))
 
 
 def minimum_peak_schedule(problem: Problem) -> Schedule:
-    """A schedule reaching the smallest peak any schedule reaches: by this DP on chains, else by the ILP."""
+    """A schedule reaching the smallest peak any schedule reaches: by this DP on chains, else by the ILP.
+
+    Exact unless a Pareto front had to be cut (long chains with many options), where it is a schedule whose peak
+    is an upper bound of the smallest."""
     if problem.is_chain():
-        schedule, _ = _least_peak(_tables(problem, 1), FRONT_LIMIT)
+        schedule, _ = _least_peak(_tables(problem, 1), _front_limit(problem))
         return schedule
     from .ilp import min_peak_schedule
     return min_peak_schedule(problem)[0]
@@ -618,11 +676,12 @@ def minimum_peak(problem: Problem) -> int:
     return simulate(problem, minimum_peak_schedule(problem)).peak_bytes
 
 
-def solve_dp(problem: Problem, budget_bytes: int, *, buckets: int = 2000) -> Plan:
+def solve_dp(problem: Problem, budget_bytes: int, *, buckets: int = 2000, front_limit: int | None = None) -> Plan:
     """The schedule with the least recompute time within ``budget_bytes``, by dynamic programming.
 
-    Status ``OPTIMAL`` on chains when no tensor size needed rounding (see the module docstring), else
-    ``FEASIBLE``. Raises :class:`~planner.errors.InfeasibleBudgetError` with the smallest achievable peak when no
+    Status ``OPTIMAL`` on chains when no byte count needed rounding and no Pareto front was cut (see the module
+    docstring), else ``FEASIBLE``. ``front_limit`` caps the Pareto points kept per inner state (default: all of
+    them up to 256, fewer on long problems to bound the time). Raises :class:`~planner.errors.InfeasibleBudgetError` with the smallest achievable peak when no
     schedule fits.
 
     >>> from planner.problem import Problem, Stage, TensorInfo
@@ -647,7 +706,7 @@ def solve_dp(problem: Problem, budget_bytes: int, *, buckets: int = 2000) -> Pla
     target = budget_bytes
     for attempt in range(3):  # the model over-estimates memory, so one pass suffices; tighten if it ever does not
         unit, exact_unit = _unit(problem, target, buckets)
-        schedule, complete = _least_seconds(_tables(problem, unit), target, FRONT_LIMIT)
+        schedule, complete = _least_seconds(_tables(problem, unit), target, front_limit or _front_limit(problem))
         if schedule is None:
             break
         peak = simulate(problem, schedule).peak_bytes

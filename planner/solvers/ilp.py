@@ -14,22 +14,28 @@ Derived, continuous but exact once the decisions are integral:
 
 Memory (continuous, only bounded from below, since they appear only on the left of ``<= budget``):
 
-* ``h[t,k] >= `` each way ``t`` can be held during the backward of ``k`` (``k >= h`` for a holder ``h``):
-  a stored saver ``s <= k`` (``1 - r[s]``); a reader ``c`` in another region starting at or before ``k``
-  (``r[c] - w[p,c]`` once ``k >= c``, ``w[k,c] - w[p,c]`` for ``p < k < c``); the cache
-  (``c[t]`` once ``k`` reaches the first saver, ``c[t] - w[p,k]`` before it: held from the stage after the region).
-  ``h[t,k] >= h[t,k-1]``. ``held[t] >=`` each of ``1 - r[s]``, ``r[c] - w[p,c]``, ``c[t]``: something holds ``t``,
-  which keeps it alive to the end of the forward.
-* ``copies[p,k] >= sum_t nbytes(t) * (w[p,k] - c[t])`` over tensors of ``p`` whose first saver is ``<= k``:
-  the recomputed copies alive during the backward of ``k``.
+* ``start[t,k] >=`` each reason ``t`` is alive when the backward of ``k`` starts (a holder ``h <= k``, or the
+  recomputation consumed the cached ``t`` before ``k``): a stored saver ``s <= k`` (``1 - r[s]``); a reader ``c`` in
+  another region starting at or before ``k`` (``r[c] - w[p,c]`` once ``k >= c``, ``w[k,c] - w[p,c]`` for
+  ``p < k < c``); the cache (``c[t]`` once ``k`` reaches the first saver, ``c[t] - w[p,k]`` before it: consumed when
+  the region ended before ``k``). ``start[t,k] >= start[t,k-1]``.
+* ``after[t,k]``, alive once the backward of ``k`` is done, is ``start[t,k-1]``, or for cached tensors
+  ``>= start[t,k-1]`` and ``>= c[t] - w[p, min(first saver, k)]``; the recomputation at ``k`` sees ``after[t,k+1]``
+  (alive at the start, or consumed right then).
+* ``held[t] >=`` each of ``1 - r[s]``, ``r[c] - w[p,c]``, ``c[t]``: something holds or consumes ``t``, which keeps
+  it alive to the end of the forward.
+* ``copies[p,k] >= sum_t nbytes(t) * (w[p,k] - c[t])`` over tensors of ``p`` whose first saver is ``<= k`` (alive
+  when ``k`` starts), or ``<= k-1`` (still needed after ``k``): the recomputed copies.
 * ``ws[k] >= (recompute_workspace(j) + output_grad_bytes(k)) * (w[j,k] + e[k] - 1)``: the largest recompute
   workspace of a region ending at ``k``, with the gradients of ``k``'s outputs.
 
-Events (each ``<= budget``, or ``<= peak`` when minimising the peak): the forward of every stage, the backward
-of every stage (fixed + gradients so far + workspace + held + copies) and the recomputation before it (same
-activations, gradients before it, ``ws[k]``; where ``k`` ends no region this is below the backward event).
-Objective: the recompute seconds of the chosen options. Tensors with identical rules are summed into one group,
-and tensors whose liveness no decision changes (model outputs, tensors nothing can hold) are constants.
+Events (each ``<= budget``, or ``<= peak`` when minimising the peak), as ``simulate`` lists them: the forward of
+every stage; per stage from the last, the recomputation (fixed + later gradients + ``after[.,k+1]`` + copies +
+``ws[k]``; where ``k`` ends no region this equals the backward start), the backward start (fixed + later gradients
++ ``start`` + copies) and the backward once done (fixed + gradients so far + backward workspace + ``after`` + copies
+still needed). Objective: the recompute seconds of the chosen options. Tensors with identical rules are summed
+into one group, and tensors whose liveness no decision changes (model outputs, tensors nothing can hold) are
+constants.
 
 :func:`encoded_peak` evaluates this encoding on a given schedule without a solver; the tests check it equals
 ``simulate`` on random schedules, and :func:`solve_ilp` checks it on every solution.
