@@ -137,7 +137,7 @@ class _Tables:
     locals: tuple[tuple[_Local, ...], ...]
     pinned: tuple[tuple[_Pinned, ...], ...]
     fwd_base: tuple[int, ...]  # fixed + forward workspace + pinned tensors alive in the forward
-    start_base: tuple[int, ...]  # fixed + gradients of later stages + pinned, when a backward starts
+    start_base: tuple[int, ...]  # fixed + gradients of later stages + start workspace + pinned, as a backward starts
     after_base: tuple[int, ...]  # fixed + gradients so far + backward workspace + pinned, after a backward
     rec_base: tuple[int, ...]  # fixed + gradients of later stages + output gradients + pinned, at a recomputation
     sums: tuple[_StageSums, ...]
@@ -178,7 +178,8 @@ def _tables(problem: Problem, unit: int) -> _Tables:
     return _Tables(
         problem, unit, tuple(map(tuple, locals_)), tuple(map(tuple, pinned)),
         tuple(fixed + stages[k].forward_workspace_bytes + pinned_forward[k] for k in range(n)),
-        tuple(fixed + grads_after[k] + pinned_backward[k] for k in range(n)),
+        tuple(fixed + grads_after[k] + stages[k].backward_start_workspace_bytes + pinned_backward[k]
+              for k in range(n)),
         tuple(fixed + grads_after[k] + stages[k].grad_bytes + stages[k].backward_workspace_bytes
               + pinned_backward[k] for k in range(n)),
         tuple(fixed + grads_after[k] + getattr(stages[k], "output_grad_bytes", 0) + pinned_backward[k]
