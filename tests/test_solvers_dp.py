@@ -9,7 +9,7 @@ from planner.plan import SolverStatus
 from planner.problem import Schedule, simulate
 from planner.solvers.dp import minimum_peak, solve_dp
 from planner.solvers.ilp import solve_ilp
-from tests.solver_problems import brute_force_best, brute_force_table, random_chain, random_dag
+from tests.solver_problems import brute_force_best, brute_force_table, layered_chain, random_chain, random_dag
 
 CHAINS = [(4, 0, 2), (4, 3, 2), (4, 9, 3), (5, 1, 2), (5, 4, 3), (5, 12, 2)]
 
@@ -71,3 +71,23 @@ def test_a_budget_the_eager_step_fits_needs_no_recomputation():
     problem = random_chain(7, 1)
     plan = solve_dp(problem, simulate(problem, Schedule()).peak_bytes)
     assert plan.regions == () and plan.status == SolverStatus.OPTIMAL
+
+
+def test_dp_agrees_with_the_ilp_on_nested_option_menus():
+    problem = layered_chain(8, 1)
+    smallest = minimum_peak(problem)
+    eager = simulate(problem, Schedule()).peak_bytes
+    for budget in (smallest, smallest + (eager - smallest) // 10):
+        dp, ilp = solve_dp(problem, budget), solve_ilp(problem, budget)
+        assert dp.status == ilp.status == SolverStatus.OPTIMAL
+        assert dp.predicted_recompute_seconds == pytest.approx(ilp.predicted_recompute_seconds, abs=1e-9)
+
+
+def test_a_cut_pareto_front_is_reported_as_feasible_only():
+    problem = random_chain(14, 4, num_options=3)
+    smallest = minimum_peak(problem)
+    budget = smallest + (simulate(problem, Schedule()).peak_bytes - smallest) // 4
+    full, cut = solve_dp(problem, budget), solve_dp(problem, budget, front_limit=2)
+    assert full.status == SolverStatus.OPTIMAL and cut.status == SolverStatus.FEASIBLE
+    assert cut.predicted_peak_bytes <= budget
+    assert cut.predicted_recompute_seconds >= full.predicted_recompute_seconds - 1e-9

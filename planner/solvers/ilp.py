@@ -463,8 +463,10 @@ def _schedule_from_solution(encoding: Encoding) -> Schedule:
 def _warm_start(encoding: Encoding, schedule: Schedule | None) -> bool:
     if schedule is None:
         return False
+    variables = encoding.model.variablesDict()
     for name, value in encoding.tight_values(schedule).items():
-        encoding.model.variablesDict()[name].setInitialValue(value)
+        if name in variables:
+            variables[name].setInitialValue(value)
     return True
 
 
@@ -475,15 +477,14 @@ def _solve_model(encoding: Encoding, time_limit: float, gap: float, warm: Schedu
     if solution not in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
         return _Outcome(None, False, None, False)
     objective = pulp.value(encoding.model.objective) or 0.0
-    proven = solution == pulp.LpSolutionOptimal
+    optimal = solution == pulp.LpSolutionOptimal and gap == 0.0  # proven, with no tolerance asked for
     relative = None
     if bound is not None and objective > 0:
         relative = max(0.0, (objective - bound) / abs(objective))
-    elif proven:
+    elif optimal:
         relative = 0.0
-    if proven and gap == 0.0:
-        relative = 0.0
-    return _Outcome(_schedule_from_solution(encoding), proven and (relative or 0.0) <= 1e-9, relative, False)
+    proven = optimal or (relative is not None and relative <= 1e-9)
+    return _Outcome(_schedule_from_solution(encoding), proven, relative, False)
 
 
 def _budget_model(problem: Problem, budget_bytes: int) -> Encoding:
