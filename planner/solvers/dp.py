@@ -45,7 +45,6 @@ from functools import reduce
 
 import numpy as np
 
-from ..errors import PlannerError
 from ..plan import Plan, SolverStatus
 from ..problem import Problem, Region, Schedule, TensorInfo, simulate
 from .baselines import infeasible_budget_error, store_all
@@ -416,15 +415,14 @@ def _region_ends(tables: _Tables, i: int, budget: int | None, limit: int, track_
 
 @dataclass(frozen=True)
 class _Move:
-    """One transition: from state (i, how, kind) to (stop, how', kind') adding ``shift`` units to H."""
+    """Stage ``source[0]`` stored: from state ``source`` to ``target``, adding ``shift`` units to H."""
 
     source: tuple[int, int, str]
     shift: int
-    region: Region | None  # None: stage i stored
     target: tuple[int, int, str]
 
 
-def _stored_move(tables: _Tables, i: int, how: int, kind: str) -> tuple[int, int, int] | None:
+def _stored_move(tables: _Tables, i: int, how: int, kind: str) -> tuple[int, int]:
     """(need, adds) for storing stage ``i`` followed by ``kind``; need excludes H."""
     pend = tables.pending.get((i, how, "stored"), _NOTHING)
     held = pend.own + pend.held_by_next
@@ -476,8 +474,9 @@ class _Outer:
             self.choice[key] = np.full(self.size, -1, dtype=np.int64)
         return self.times[key], self.choice[key]
 
-    def relax(self, source: tuple[int, int, str], need: int, adds: int, seconds: float,
-              region: Region | None, target: tuple[int, int, str]) -> None:
+    def relax_stored(self, source: tuple[int, int, str], need: int, adds: int,
+                     target: tuple[int, int, str]) -> None:
+        """Store stage ``source[0]``: H grows by ``adds`` (rounded up to units); every event needs ``need`` + H."""
         unit = self.tables.unit
         shift = -(-adds // unit)  # rounded up: H in units never holds less than the bytes it stands for
         top = min((self.budget - need) // unit, self.size - 1 - shift)
@@ -485,21 +484,18 @@ class _Outer:
             return
         dest, chosen = self._state(target)
         window = slice(shift, shift + top + 1)
-        candidate = self.times[source][:top + 1] + seconds
+        candidate = self.times[source][:top + 1]
         better = candidate < dest[window]
-        self.moves.append(_Move(source, shift, region, target))
+        self.moves.append(_Move(source, shift, target))
         np.copyto(dest[window], candidate, where=better)
         np.copyto(chosen[window], len(self.moves) - 1, where=better)
 
-    def relax_regions(self, source: tuple[int, int, str], pend: _Pending, closed: list[_Closed],
+    def relax_regions(self, source: tuple[int, int, str], closed: list[_Closed],
                       target: tuple[int, int, str]) -> None:
         """Relax every closed region of one start, end, following kind and last option at once."""
-        t, i, unit = self.tables, source[0], self.tables.unit
-        held = pend.own + pend.held_by_next
-        need = np.maximum(t.fwd_base[i] + held + pend.read_only + np.array([c.forward_first for c in closed]),
-                          held + np.array([c.need for c in closed]))
-        need = np.maximum(need, t.after_base[i] + pend.own)
-        shift = -(-(held + np.array([c.adds for c in closed])) // unit)
+        unit = self.tables.unit
+        need, adds = np.array([_region_need(self.tables, source[0], source[1], c) for c in closed]).T
+        shift = -(-adds // unit)
         top = np.minimum((self.budget - need) // unit, self.size - 1 - shift)
         keep = np.flatnonzero(top >= self.lowest[source])
         if not len(keep):
@@ -548,10 +544,6 @@ class _Outer:
         return Schedule(tuple(reversed(regions)))
 
 
-def _hows(tables: _Tables, i: int) -> list[int]:
-    return [NO_STAGE] if i == 0 else [STORED, *tables.options(i - 1)]
-
-
 def _least_seconds(tables: _Tables, budget: int, limit: int) -> tuple[Schedule | None, bool]:
     """The time-optimal schedule of the DP's model within ``budget`` (None if none), and whether no front was cut."""
     n = tables.problem.num_stages
@@ -562,7 +554,7 @@ def _least_seconds(tables: _Tables, budget: int, limit: int) -> tuple[Schedule |
         for source in [s for s in sources if s[2] == "stored"]:
             for kind in (KINDS if i + 1 < n else (NONE,)):
                 need, adds = _stored_move(tables, i, source[1], kind)
-                outer.relax(source, need, adds, 0.0, None, (i + 1, STORED, kind))
+                outer.relax_stored(source, need, adds, (i + 1, STORED, kind))
         region_sources = [s for s in sources if s[2] == "region"]
         if not region_sources:
             continue
@@ -574,9 +566,8 @@ def _least_seconds(tables: _Tables, budget: int, limit: int) -> tuple[Schedule |
             for c in closed:
                 by_last.setdefault(c.options[-1], []).append(c)
             for source in region_sources:
-                pend = tables.pending.get((i, source[1], "region"), _NOTHING)
                 for last, group in by_last.items():
-                    outer.relax_regions(source, pend, group, (e + 1, last, kind))
+                    outer.relax_regions(source, group, (e + 1, last, kind))
     found = outer.best(n)
     return (outer.schedule(*found) if found else None), exact
 
