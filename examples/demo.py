@@ -89,11 +89,10 @@ def main(argv=None) -> None:
     uniform_peak, _, uniform_loss = measure(example, uniform, seed=0)
 
     start = time.perf_counter()
-    half = planner.optimize(model, "50%", example.example_inputs, example_kwargs=example.example_kwargs,
-                            loss_fn=example.loss_fn)
+    options = dict(example_kwargs=example.example_kwargs, loss_fn=example.loss_fn, hold_outputs=False)
+    half = planner.optimize(model, "50%", example.example_inputs, **options)
     plan_seconds = time.perf_counter() - start
-    at_uniform = planner.optimize(model, uniform_peak, example.example_inputs,
-                                  example_kwargs=example.example_kwargs, loss_fn=example.loss_fn)
+    at_uniform = planner.optimize(model, uniform_peak, example.example_inputs, **options)
     print(half.plan.summary())
     rows = [("eager", model, eager_peak, eager_loss), ("HF gradient checkpointing", uniform, uniform_peak,
                                                        uniform_loss)]

@@ -85,17 +85,19 @@ def _device_of(model: torch.nn.Module) -> str:
 
 
 def pose_problem(captured: CapturedGraph, *, loss_fn: Callable | None = None, optimizer=None,
-                 max_stages: int = 64, profile_repeats: int = 3) -> tuple[Problem, tuple[tuple[str, ...], ...]]:
+                 max_stages: int = 64, profile_repeats: int = 3,
+                 hold_outputs: bool = True) -> tuple[Problem, tuple[tuple[str, ...], ...]]:
     """Profile ``captured`` and pose the planning problem; also returns the node names of each stage."""
     profile = profile_graph(captured, repeats=profile_repeats)
     stages = partition_stages(profile, max_stages=max_stages)
     random_nodes = {n.name for n in captured.compute_nodes() if is_random(n)}
     problem = build_problem(profile, stages, random_nodes=random_nodes,
                             extra_fixed_bytes=optimizer_state_bytes(optimizer),
-                            name=type(captured.graph_module).__name__)
+                            name=type(captured.graph_module).__name__, hold_outputs=hold_outputs)
     stage_of = {node: i for i, spec in enumerate(stages) for node in spec.nodes}
     try:
-        measured = measure_stages(captured, stage_of, len(stages), loss_fn=loss_fn, repeats=profile_repeats)
+        measured = measure_stages(captured, stage_of, len(stages), loss_fn=loss_fn, repeats=profile_repeats,
+                                  hold_outputs=hold_outputs)
     except ValueError as exc:
         raise PlannerError(str(exc), hint="pass loss_fn= that turns the model's output into a scalar loss") from exc
     return calibrate(problem, measured), tuple(spec.nodes for spec in stages)
@@ -118,10 +120,10 @@ def _explain_infeasible(model: torch.nn.Module, budget: Budget, budget_bytes: in
 
 
 def _plan_captured(model, captured: CapturedGraph, budget, *, loss_fn, optimizer, solver: str, max_stages: int,
-                   profile_repeats: int, solver_options: dict | None) -> Planned:
+                   profile_repeats: int, solver_options: dict | None, hold_outputs: bool = True) -> Planned:
     parsed = parse_budget(budget)
     problem, stage_nodes = pose_problem(captured, loss_fn=loss_fn, optimizer=optimizer, max_stages=max_stages,
-                                        profile_repeats=profile_repeats)
+                                        profile_repeats=profile_repeats, hold_outputs=hold_outputs)
     eager = simulate(problem, Schedule.store_all(problem.num_stages)).peak_bytes
     budget_bytes = parsed.resolve(eager)
     try:
@@ -143,7 +145,7 @@ def _as_args(example_inputs: Any) -> tuple:
 def plan(model: torch.nn.Module, budget: int | str, example_inputs: Any = None, *,
          example_kwargs: dict | None = None, optimizer: torch.optim.Optimizer | None = None, solver: str = "auto",
          loss_fn: Callable | None = None, max_stages: int = 64, profile_repeats: int = 3,
-         solver_options: dict | None = None) -> Plan:
+         solver_options: dict | None = None, hold_outputs: bool = True) -> Plan:
     """Plan ``model`` under ``budget`` without rewriting it; see :func:`optimize` for the arguments."""
     if example_inputs is None and not example_kwargs:
         raise PlannerError("planner.plan needs example inputs",
@@ -151,7 +153,7 @@ def plan(model: torch.nn.Module, budget: int | str, example_inputs: Any = None, 
     captured = capture(model, _as_args(example_inputs), example_kwargs)
     return _plan_captured(model, captured, budget, loss_fn=loss_fn, optimizer=optimizer, solver=solver,
                           max_stages=max_stages, profile_repeats=profile_repeats,
-                          solver_options=solver_options).plan
+                          solver_options=solver_options, hold_outputs=hold_outputs).plan
 
 
 class OptimizedModule(torch.nn.Module):
@@ -219,7 +221,8 @@ class OptimizedModule(torch.nn.Module):
 def optimize(model: torch.nn.Module, budget: int | str, example_inputs: Any = None, *,
              example_kwargs: dict | None = None, optimizer: torch.optim.Optimizer | None = None,
              solver: str = "auto", loss_fn: Callable | None = None, max_stages: int = 64,
-             profile_repeats: int = 3, solver_options: dict | None = None) -> OptimizedModule:
+             profile_repeats: int = 3, solver_options: dict | None = None,
+             hold_outputs: bool = True) -> OptimizedModule:
     """Return a module that trains ``model``'s own parameters within ``budget`` with the least recomputation.
 
     Parameters
@@ -235,9 +238,13 @@ def optimize(model: torch.nn.Module, budget: int | str, example_inputs: Any = No
         ``"fewest_blocks"``).
     loss_fn : turns the model's output into the loss for profiling; by default the first scalar output (the
         ``loss`` of Hugging Face models given ``labels``), else the sum of the outputs.
+    max_stages, profile_repeats, solver_options : how finely to cut the model, how many timed profiling runs,
+        and options for the solver (``time_limit``, ``gap``).
+    hold_outputs : whether your loop keeps the model's output alive through the backward
+        (``out = model(x); out.loss.backward()`` does, ``loss_fn(model(x)).backward()`` does not).
     """
     options = dict(loss_fn=loss_fn, optimizer=optimizer, solver=solver, max_stages=max_stages,
-                   profile_repeats=profile_repeats, solver_options=solver_options)
+                   profile_repeats=profile_repeats, solver_options=solver_options, hold_outputs=hold_outputs)
     parse_budget(budget)  # fail early on a malformed budget
     optimized = OptimizedModule(model, budget, planner_options=options)
     if example_inputs is not None or example_kwargs:

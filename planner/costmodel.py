@@ -170,8 +170,11 @@ def recompute_options(stage_nodes: Sequence[NodeProfile], random_nodes: set[str]
 
 
 def build_problem(profile: GraphProfile, stages: Sequence[StageSpec], *, random_nodes: set[str],
-                  extra_fixed_bytes: int = 0, name: str = "") -> Problem:
-    """Tensors, stages and options of ``profile`` cut into ``stages``; workspaces are zero until calibrated."""
+                  extra_fixed_bytes: int = 0, name: str = "", hold_outputs: bool = True) -> Problem:
+    """Tensors, stages and options of ``profile`` cut into ``stages``; workspaces are zero until calibrated.
+
+    ``hold_outputs``: the caller keeps the model's outputs alive through the backward (see ``measure_stages``).
+    """
     stage_of = {node: i for i, spec in enumerate(stages) for node in spec.nodes}
     by_name = {n.name: n for n in profile.nodes}
     readers: dict[int, set[int]] = {}
@@ -190,7 +193,7 @@ def build_problem(profile: GraphProfile, stages: Sequence[StageSpec], *, random_
             tensors.append(TensorInfo(
                 name=f"{n.name}#{record.key}", nbytes=record.nbytes, producer=producer, node=n.name,
                 consumers=frozenset(readers.get(record.key, set()) - {producer}),
-                savers=frozenset(savers.get(record.key, set())), is_output=record.key in profile.output_keys))
+                savers=frozenset(savers.get(record.key, set())), is_output=hold_outputs and record.key in profile.output_keys))
     grad_stage: dict[str, int] = {}
     for n in profile.nodes:
         for param in n.param_reads:

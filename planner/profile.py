@@ -319,8 +319,13 @@ def default_loss(outputs: Any) -> torch.Tensor:
 
 
 def measure_stages(captured: CapturedGraph, stage_of: dict[str, int], num_stages: int, *,
-                   loss_fn: Callable[[Any], torch.Tensor] | None = None, repeats: int = 3) -> StageMeasurement:
-    """Run eager training steps of the captured graph with stage markers; measure memory once and time ``repeats``."""
+                   loss_fn: Callable[[Any], torch.Tensor] | None = None, repeats: int = 3,
+                   hold_outputs: bool = True) -> StageMeasurement:
+    """Run eager training steps of the captured graph with stage markers; measure memory once and time ``repeats``.
+
+    ``hold_outputs``: whether the model's outputs stay referenced through the backward, as in
+    ``out = model(x); out.loss.backward()`` (``loss_fn(model(x)).backward()`` lets them go).
+    """
     gm = captured.graph_module
     flat = flat_call_args(captured, captured.example_args, captured.example_kwargs)
     loss_of = loss_fn or default_loss
@@ -329,11 +334,13 @@ def measure_stages(captured: CapturedGraph, stage_of: dict[str, int], num_stages
         interp = _MarkingInterpreter(gm, stage_of, on_forward, on_backward_done)
         outputs = interp.run(*flat)
         loss = loss_of(outputs)
+        if not hold_outputs:
+            del outputs
+            interp.env.clear()
         on_backward_start()
         loss.backward()
         for p in gm.parameters():
             p.grad = None
-        return outputs
 
     with preserved_training_state(gm):
         return _measure(one_step, num_stages, repeats)

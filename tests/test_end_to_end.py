@@ -29,7 +29,7 @@ BUDGET_POINTS = [0.0, 0.5, 0.9]  # share of the way from the smallest feasible p
 def posed(request):
     example = build_example(request.param, size="test")
     captured = capture(example.model, example.example_inputs, example.example_kwargs)
-    problem, stage_nodes = pose_problem(captured, loss_fn=example.loss_fn, profile_repeats=1)
+    problem, stage_nodes = pose_problem(captured, loss_fn=example.loss_fn, profile_repeats=1, hold_outputs=False)
     eager = training_step(example.model, example.run, example.example_inputs)
     return example, captured, problem, stage_nodes, eager
 
