@@ -420,15 +420,17 @@ def _has_highs() -> bool:
 
 def _run(model: pulp.LpProblem, time_limit: float, gap: float, warm: bool) -> tuple[int, int, float | None]:
     """Solve ``model``; return PuLP's status, solution status and the best bound when the solver reports one."""
+    threads = min(os.cpu_count() or 1, 8)
     if _has_highs():
-        solver = pulp.HiGHS(msg=False, timeLimit=time_limit, gapRel=gap)
+        solver = pulp.HiGHS(msg=False, timeLimit=time_limit, gapRel=gap, threads=threads)
         model.solve(solver)
         info = model.solverModel.getInfo() if hasattr(model, "solverModel") else None
         return model.status, model.sol_status, getattr(info, "mip_dual_bound", None)
     handle, log_path = tempfile.mkstemp(suffix=".log", prefix="planner_cbc_")
     os.close(handle)
     try:
-        solver = pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit, gapRel=gap, warmStart=warm, logPath=log_path)
+        solver = pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit, gapRel=gap, warmStart=warm, logPath=log_path,
+                                   threads=threads)
         model.solve(solver)
         with open(log_path) as log:
             bound = _cbc_bound(log.read())
