@@ -35,7 +35,9 @@ _STAGE_FIELDS = {f.name for f in dataclasses.fields(Stage)}
 
 def _stage(rng: random.Random, k: int, nodes: list[str], num_options: int, unit: int) -> Stage:
     forward = round(rng.uniform(0.5, 3.0), 3)
-    extra = {"output_grad_bytes": unit * rng.choice([0, 0, 2, 5])} if "output_grad_bytes" in _STAGE_FIELDS else {}
+    optional = {"output_grad_bytes": unit * rng.choice([0, 0, 2, 5]),
+                "backward_start_workspace_bytes": unit * rng.choice([0, 0, 3, 10])}
+    extra = {name: value for name, value in optional.items() if name in _STAGE_FIELDS}
     return Stage(f"s{k}", forward_seconds=forward, backward_seconds=round(2 * forward, 3),
                  grad_bytes=unit * rng.choice([0, 0, 1, 3]),
                  forward_workspace_bytes=unit * rng.choice([0, 1, 4, 12]),

@@ -38,7 +38,7 @@ def test_dp_agrees_with_the_ilp_on_longer_chains(n, seed):
     eager = simulate(problem, Schedule()).peak_bytes
     smallest = minimum_peak(problem)
     budget = smallest + (eager - smallest) // 3
-    dp, ilp = solve_dp(problem, budget), solve_ilp(problem, budget, time_limit=60)
+    dp, ilp = solve_dp(problem, budget, front_limit=2048), solve_ilp(problem, budget, time_limit=60)
     assert dp.status == ilp.status == SolverStatus.OPTIMAL
     assert dp.predicted_recompute_seconds == pytest.approx(ilp.predicted_recompute_seconds, abs=1e-9)
     assert dp.predicted_peak_bytes <= budget and ilp.predicted_peak_bytes <= budget
