@@ -108,7 +108,7 @@ def main(argv=None) -> None:
                   f"{step / eager:>7.2f}x {recompute[method]:>8.1%}")
         uniform = statistics.median(r["times"]["uniform"])
         planner_time = statistics.median(r["times"]["planner"])
-        print(f"{'':11s} planner vs uniform at equal memory: {1 - planner_time / uniform:+.1%} step time "
+        print(f"{'':11s} planner vs uniform at equal memory: {1 - planner_time / uniform:.1%} faster "
               f"(predicted recompute {r['plan'].predicted_recompute_seconds * 1e3:.1f}ms vs "
               f"{r['uniform'].predicted_recompute_seconds * 1e3:.1f}ms); {r['stages']} stages, profile "
               f"{r['profile_seconds']:.1f}s, solve {r['solve_seconds']:.2f}s ({r['plan'].solver}, "

@@ -152,7 +152,7 @@ def recompute_options(stage_nodes: Sequence[NodeProfile], random_nodes: set[str]
     total = sum(n.created_bytes for n in candidates)
     seen: set[frozenset[str]] = {frozenset()}
     matmuls = frozenset(n.name for n in candidates if n.flops > 0)
-    menus = [(f"cache_matmuls", matmuls)]
+    menus = [("cache_matmuls", matmuls)]
     for share in CACHE_SHARES:
         chosen, acc = [], 0
         for n in candidates:

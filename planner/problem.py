@@ -44,7 +44,6 @@ Workspaces (temporaries, activation gradients in flight) are per stage and come 
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 from dataclasses import dataclass, field
 from typing import Iterable
@@ -258,15 +257,6 @@ class _Liveness:
             (self.consumed_at is not None and k > self.consumed_at)
 
 
-def cached_nodes_of(problem: Problem, schedule: Schedule) -> set[str]:
-    """Names of all nodes whose outputs the schedule caches."""
-    cached: set[str] = set()
-    for r in schedule.regions:
-        for k in r.stages:
-            cached |= problem.stages[k].recompute_options[r.option_of(k)].cached_nodes
-    return cached
-
-
 def liveness(problem: Problem, schedule: Schedule, tensor: TensorInfo) -> _Liveness:
     """Apply the module docstring's rules to one tensor."""
     owner = schedule.region_index(problem.num_stages)
@@ -358,7 +348,3 @@ def simulate(problem: Problem, schedule: Schedule) -> Evaluation:
     base = sum(s.forward_seconds + s.backward_seconds for s in problem.stages)
     return Evaluation(max(e.total_bytes for e in events), recompute, base + recompute, tuple(events))
 
-
-def with_budget_slack(problem: Problem, extra_fixed_bytes: int) -> Problem:
-    """The same problem with more memory that never moves (optimizer state, an allocator margin)."""
-    return dataclasses.replace(problem, fixed_bytes=problem.fixed_bytes + extra_fixed_bytes)

@@ -24,13 +24,13 @@ import statistics
 from contextlib import contextmanager
 import time
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.fx as fx
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves, tree_map
+from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import FlopCounterMode
 
 from .capture import CapturedGraph, flat_call_args, module_path
@@ -270,7 +270,6 @@ class StageMeasurement:
     backward_seconds: list[float]
     step_seconds: float
     total_peak: int = 0
-    notes: list[str] = field(default_factory=list)
 
 
 class _MarkingInterpreter(fx.Interpreter):
@@ -384,6 +383,3 @@ def _measure(one_step, num_stages: int, repeats: int) -> StageMeasurement:
     return StageMeasurement(forward_peak, backward_peak, backward_seconds, statistics.median(steps[1:]),
                             total_peak=meter.peak_bytes)
 
-
-def clone_inputs(values: Any) -> Any:
-    return tree_map(lambda x: x.detach().clone() if isinstance(x, torch.Tensor) else x, values)

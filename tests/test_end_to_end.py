@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-import torch
 
 from examples.common import build_example
 from planner import solvers
