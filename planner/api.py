@@ -103,20 +103,13 @@ def pose_problem(captured: CapturedGraph, *, loss_fn: Callable | None = None, op
     return calibrate(problem, measured), tuple(spec.nodes for spec in stages)
 
 
-def _explain_infeasible(model: torch.nn.Module, budget: Budget, budget_bytes: int, problem: Problem,
-                        minimum: int | None) -> PlannerError:
-    eager = simulate(problem, Schedule.store_all(problem.num_stages)).peak_bytes
-    grads = sum(s.grad_bytes for s in problem.stages)
-    floor = problem.fixed_bytes + grads
-    share = floor / minimum if minimum else 0.0
-    why = (f"parameters, buffers, inputs and optimizer state ({format_bytes(problem.fixed_bytes)}) and gradients "
-           f"({format_bytes(grads)}) alone are {share:.0%} of that minimum")
-    if share > 0.8:
-        why += ", so no recomputation helps: use a smaller batch, lower precision or shard the parameters"
-    message = (f"budget {budget.text!r} ({format_bytes(budget_bytes)}) is below the smallest peak any plan reaches "
-               f"for {type(model).__name__}: {format_bytes(minimum or 0)} (eager peak {format_bytes(eager)}); {why}")
-    return InfeasibleBudgetError(message, hint=f"use a budget of at least {format_bytes(minimum or 0)} "
-                                               f"({minimum} bytes)", minimum_budget_bytes=minimum)
+def _in_context(model: torch.nn.Module, budget: Budget, error: InfeasibleBudgetError) -> InfeasibleBudgetError:
+    """The solver's error, re-raised with what the user asked for (the model and the budget as written)."""
+    minimum = error.minimum_budget_bytes
+    return InfeasibleBudgetError(
+        f"planning {type(model).__name__} for budget {budget.text!r}: {error.message}",
+        hint=f"use a budget of at least {format_bytes(minimum or 0)} ({minimum} bytes)",
+        minimum_budget_bytes=minimum)
 
 
 def _plan_captured(model, captured: CapturedGraph, budget, *, loss_fn, optimizer, solver: str, max_stages: int,
@@ -129,7 +122,7 @@ def _plan_captured(model, captured: CapturedGraph, budget, *, loss_fn, optimizer
     try:
         result = solvers.solve(problem, budget_bytes, method=solver, **(solver_options or {}))
     except InfeasibleBudgetError as exc:
-        raise _explain_infeasible(model, parsed, budget_bytes, problem, exc.minimum_budget_bytes) from None
+        raise _in_context(model, parsed, exc) from None
     result = dataclasses.replace(result, budget_bytes=budget_bytes, budget_text=parsed.text,
                                  stage_nodes=stage_nodes, fingerprint=fingerprint(captured),
                                  torch_version=torch.__version__, device=_device_of(model))
