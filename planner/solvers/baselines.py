@@ -187,4 +187,6 @@ def _what_dominates(shares: dict[str, float]) -> str:
         return (f": fixed memory and gradients alone are {unmovable:.0%} of it, so no recomputation helps"
                 if unmovable >= 0.9 else f": fixed memory and gradients are {unmovable:.0%} of it")
     largest = max(shares, key=shares.get)
-    return f": {largest} {'dominates' if largest == 'workspace' else 'dominate'}"
+    return {"fixed": ": fixed memory dominates", "gradients": ": gradients dominate",
+            "workspace": ": workspace (temporaries, gradients in flight) dominates",
+            "activations": ": activations dominate"}[largest]
