@@ -23,11 +23,11 @@ import torch
 
 from .budget import Budget, format_bytes, parse_budget
 from .capture import CapturedGraph, capture, input_signature
-from .costmodel import build_problem, calibrate, is_random, partition_stages
+from .costmodel import add_checkpoint_overheads, build_problem, calibrate, is_random, partition_stages, spread
 from .errors import InfeasibleBudgetError, PlannerError
-from .plan import Plan
-from .problem import Problem, Schedule, simulate
-from .profile import measure_stages, profile_graph
+from .plan import Plan, SolverStatus
+from .problem import Problem, Region, Schedule, simulate
+from .profile import default_loss, measure_stages, median_step_seconds, preserved_training_state, profile_graph
 from .rewrite import apply_plan
 from . import solvers
 
@@ -100,7 +100,44 @@ def pose_problem(captured: CapturedGraph, *, loss_fn: Callable | None = None, op
                                   hold_outputs=hold_outputs)
     except ValueError as exc:
         raise PlannerError(str(exc), hint="pass loss_fn= that turns the model's output into a scalar loss") from exc
-    return calibrate(problem, measured), tuple(spec.nodes for spec in stages)
+    stage_nodes = tuple(spec.nodes for spec in stages)
+    problem = calibrate(problem, measured)
+    if profile_repeats > 0:
+        problem = _calibrate_checkpoint_overheads(captured, problem, stage_nodes, loss_fn, profile_repeats)
+    return problem, stage_nodes
+
+
+def _calibrate_checkpoint_overheads(captured: CapturedGraph, problem: Problem, stage_nodes, loss_fn,
+                                    repeats: int) -> Problem:
+    """Time eager, every stage checkpointed, and every stage checkpointed selectively; what those steps cost
+    beyond the recomputation the model predicts is the checkpoint machinery's, charged to the options."""
+    n = problem.num_stages
+    selective = tuple(1 if len(s.recompute_options) > 1 else 0 for s in problem.stages)
+    schedules = {"checkpoint": Schedule.uniform(n),
+                 "selective": Schedule(tuple(Region(k, k + 1, (o,)) for k, o in enumerate(selective)))}
+    modules = {"eager": captured.graph_module}
+    for name, schedule in schedules.items():
+        plan = Plan.from_schedule(problem, schedule, solver=name, status=SolverStatus.HEURISTIC)
+        modules[name] = apply_plan(captured.graph_module, dataclasses.replace(plan, stage_nodes=stage_nodes))
+    args, kwargs, loss_of = captured.example_args, captured.example_kwargs, loss_fn or default_loss
+
+    def step(module):
+        def run():
+            loss_of(module(*args, **kwargs)).backward()
+            for p in captured.graph_module.parameters():
+                p.grad = None
+        return run
+
+    with preserved_training_state(captured.graph_module):
+        seconds = median_step_seconds({name: step(m) for name, m in modules.items()}, repeats)
+    forward = [s.forward_seconds for s in problem.stages]
+    hooks_total = max(0.0, seconds["checkpoint"] - seconds["eager"] - sum(forward))
+    saved_counts = [sum(1 for t in problem.tensors if k in t.savers) for k in range(n)]
+    hooks = spread(hooks_total, saved_counts)
+    cached_recompute = sum(s.recompute_options[o].recompute_seconds for s, o in zip(problem.stages, selective))
+    selective_total = max(0.0, seconds["selective"] - seconds["eager"] - cached_recompute - hooks_total)
+    ops = [len(nodes) if o else 0 for nodes, o in zip(stage_nodes, selective)]
+    return add_checkpoint_overheads(problem, hooks, spread(selective_total, ops))
 
 
 def _in_context(model: torch.nn.Module, budget: Budget, error: InfeasibleBudgetError) -> InfeasibleBudgetError:

@@ -231,3 +231,30 @@ def calibrate(problem: Problem, measured: StageMeasurement) -> Problem:
                                           backward_start_workspace_bytes=start_ws,
                                           backward_seconds=measured.backward_seconds[k]))
     return dataclasses.replace(problem, stages=tuple(stages))
+
+
+def spread(total: float, weights: Sequence[float]) -> list[float]:
+    """``total`` split in proportion to ``weights`` (evenly when they are all zero).
+
+    >>> spread(6.0, [1, 2, 0])
+    [2.0, 4.0, 0.0]
+    """
+    whole = sum(weights)
+    if whole <= 0:
+        return [total / len(weights)] * len(weights) if weights else []
+    return [total * w / whole for w in weights]
+
+
+def add_checkpoint_overheads(problem: Problem, checkpoint_seconds: Sequence[float],
+                             selective_seconds: Sequence[float]) -> Problem:
+    """Charge each way of recomputing a stage what the checkpoint machinery costs beyond the recomputation itself:
+    ``checkpoint_seconds[k]`` for running stage ``k`` in a region (saved-tensor hooks, the recomputation's
+    bookkeeping) and ``selective_seconds[k]`` more when the option caches nodes (a dispatch mode sees every op).
+    """
+    stages = []
+    for stage, hooks, selective in zip(problem.stages, checkpoint_seconds, selective_seconds):
+        options = tuple(dataclasses.replace(o, recompute_seconds=o.recompute_seconds + hooks
+                                            + (selective if o.cached_nodes else 0.0))
+                        for o in stage.recompute_options)
+        stages.append(dataclasses.replace(stage, options=options))
+    return dataclasses.replace(problem, stages=tuple(stages))

@@ -383,3 +383,15 @@ def _measure(one_step, num_stages: int, repeats: int) -> StageMeasurement:
     return StageMeasurement(forward_peak, backward_peak, backward_seconds, statistics.median(steps[1:]),
                             total_peak=meter.peak_bytes)
 
+
+
+def median_step_seconds(steps: dict[str, Callable[[], None]], repeats: int) -> dict[str, float]:
+    """Median seconds of each step function over ``repeats`` interleaved runs, after one warm-up run of each."""
+    samples: dict[str, list[float]] = {name: [] for name in steps}
+    for round_ in range(repeats + 1):
+        for name, step in steps.items():
+            start = time.perf_counter()
+            step()
+            if round_:
+                samples[name].append(time.perf_counter() - start)
+    return {name: statistics.median(values) for name, values in samples.items()}

@@ -92,3 +92,15 @@ def test_tensors_know_their_readers_and_savers(tower):
     assert crossing and all(min(t.consumers) > t.producer for t in crossing)
     assert any(t.is_output for t in problem.tensors)
     assert all(t.savers <= set(range(problem.num_stages)) for t in problem.tensors)
+
+
+def test_checkpoint_overheads_are_charged_to_every_way_of_recomputing(tower):
+    from planner.costmodel import add_checkpoint_overheads
+    _, _, _, profile = tower
+    problem = build_problem(profile, partition_stages(profile), random_nodes=set())
+    charged = add_checkpoint_overheads(problem, [1.0] * problem.num_stages, [0.5] * problem.num_stages)
+    for before, after in zip(problem.stages, charged.stages):
+        for o, p in zip(before.recompute_options, after.recompute_options):
+            assert p.recompute_seconds == pytest.approx(o.recompute_seconds + 1.0 + (0.5 if o.cached_nodes else 0))
+    eager = simulate(charged, Schedule.store_all(charged.num_stages))
+    assert eager.recompute_seconds == 0  # stored stages pay nothing
