@@ -27,7 +27,7 @@ from .costmodel import add_checkpoint_overheads, build_problem, calibrate, is_ra
 from .errors import InfeasibleBudgetError, PlannerError
 from .plan import Plan, SolverStatus
 from .problem import Problem, Region, Schedule, simulate
-from .profile import default_loss, measure_stages, median_step_seconds, preserved_training_state, profile_graph
+from .profile import default_loss, measure_stages, fastest_step_seconds, preserved_training_state, profile_graph
 from .rewrite import apply_plan
 from . import solvers
 
@@ -129,7 +129,7 @@ def _calibrate_checkpoint_overheads(captured: CapturedGraph, problem: Problem, s
         return run
 
     with preserved_training_state(captured.graph_module):
-        seconds = median_step_seconds({name: step(m) for name, m in modules.items()}, repeats)
+        seconds = fastest_step_seconds({name: step(m) for name, m in modules.items()}, repeats)
     forward = [s.forward_seconds for s in problem.stages]
     hooks_total = max(0.0, seconds["checkpoint"] - seconds["eager"] - sum(forward))
     saved_counts = [sum(1 for t in problem.tensors if k in t.savers) for k in range(n)]
