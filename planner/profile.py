@@ -20,7 +20,6 @@ True
 
 from __future__ import annotations
 
-import statistics
 from contextlib import contextmanager
 import time
 import weakref
@@ -235,7 +234,7 @@ def profile_graph(captured: CapturedGraph, *, repeats: int = 3) -> GraphProfile:
     nodes = []
     for p in interp.profiles:
         samples = timings.get(p.name, [0.0])
-        seconds = statistics.median(samples[1:] if len(samples) > 1 else samples)
+        seconds = min(samples[1:] if len(samples) > 1 else samples)  # load only adds time
         nodes.append(NodeProfile(p.name, p.module_path, seconds, p.flops, p.created, p.reads, p.saved,
                                  p.param_reads, p.output_is_view))
     for n in gm.graph.nodes:
@@ -379,8 +378,8 @@ def _measure(one_step, num_stages: int, repeats: int) -> StageMeasurement:
                 per_stage[k] += (t1 - t0) / len(covered)
         for k in range(num_stages):
             times[k].append(per_stage[k])
-    backward_seconds = [statistics.median(t[1:]) for t in times]
-    return StageMeasurement(forward_peak, backward_peak, backward_seconds, statistics.median(steps[1:]),
+    backward_seconds = [min(t[1:]) for t in times]
+    return StageMeasurement(forward_peak, backward_peak, backward_seconds, min(steps[1:]),
                             total_peak=meter.peak_bytes)
 
 
