@@ -8,6 +8,8 @@
 True
 >>> plan.recomputed_stage_names
 ('a', 'b')
+>>> plan.stage_summaries[1].saved_bytes_eager, plan.stage_summaries[1].saved_bytes_planned
+(10, 10)
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import Any
 from .budget import format_bytes
 from .errors import PlannerError
 from .problem import Problem, Region, Schedule, simulate
+from .schema import plan_schema, validate
 
 SCHEMA_VERSION = 1
 
@@ -39,6 +42,67 @@ class PlannedRegion:
     stop: int
     cached_nodes: tuple[str, ...] = ()
     options: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class StageSummary:
+    """One stage as the plan sees it: measured times, what it saves, and what the plan's decision costs.
+
+    ``saved_bytes_eager`` sums the tensors whose ``savers`` include the stage (a tensor two stages save counts for
+    both). ``recompute_seconds`` and ``cached_nodes`` describe the chosen recompute option (0 and ``()`` when the
+    stage is stored). ``saved_bytes_planned`` is what the stage keeps from its forward for its backward under the
+    plan: its saved tensors when stored; when recomputed, the outputs of its cached nodes, plus the region's
+    inputs (which the checkpoint keeps) for the first stage of a region; None when not recorded.
+    """
+
+    name: str
+    forward_seconds: float
+    backward_seconds: float
+    saved_bytes_eager: int
+    recompute_seconds: float
+    cached_nodes: tuple[str, ...]
+    saved_bytes_planned: int | None = None
+
+
+def _saved_bytes(problem: Problem) -> list[int]:
+    saved = [0] * problem.num_stages
+    for t in problem.tensors:
+        for k in t.savers:
+            saved[k] += t.nbytes
+    return saved
+
+
+def _kept_in_region(problem: Problem, region: Region, stage: int, cached: frozenset[str]) -> int:
+    kept = sum(t.nbytes for t in problem.tensors if t.producer == stage and t.node and t.node in cached)
+    if stage == region.start:
+        kept += sum(t.nbytes for t in problem.tensors
+                    if t.producer < region.start and any(c in region.stages for c in t.consumers))
+    return kept
+
+
+def stage_summaries(problem: Problem, schedule: Schedule) -> tuple[StageSummary, ...]:
+    """Per stage of ``problem``: times, bytes saved eagerly and under ``schedule``, and the recompute cost.
+
+    >>> from planner.problem import Stage, TensorInfo
+    >>> problem = Problem((Stage("a", 1.0, 2.0), Stage("b", 1.0, 2.0)),
+    ...                   (TensorInfo("x", 10, producer=0, consumers=frozenset({1}), savers=frozenset({1})),))
+    >>> [(s.name, s.saved_bytes_eager, s.saved_bytes_planned, s.recompute_seconds)
+    ...  for s in stage_summaries(problem, Schedule.from_segments([(1, 2)]))]
+    [('a', 0, 0, 0.0), ('b', 10, 10, 1.0)]
+    """
+    owner = schedule.region_index(problem.num_stages)
+    eager = _saved_bytes(problem)
+    summaries = []
+    for k, stage in enumerate(problem.stages):
+        recompute, cached, kept = 0.0, frozenset(), eager[k]
+        if owner[k] is not None:
+            region = schedule.regions[owner[k]]
+            option = stage.recompute_options[region.option_of(k)]
+            recompute, cached = option.recompute_seconds, option.cached_nodes
+            kept = _kept_in_region(problem, region, k, cached)
+        summaries.append(StageSummary(stage.name, stage.forward_seconds, stage.backward_seconds, eager[k],
+                                      recompute, tuple(sorted(cached)), kept))
+    return tuple(summaries)
 
 
 @dataclass(frozen=True)
@@ -61,6 +125,7 @@ class Plan:
     fingerprint: str = ""
     torch_version: str = ""
     device: str = ""
+    stage_summaries: tuple[StageSummary, ...] = ()
     extra: tuple[tuple[str, Any], ...] = field(default=(), compare=False)
     schema_version: int = SCHEMA_VERSION
 
@@ -82,7 +147,8 @@ class Plan:
             predicted_peak_bytes=evaluation.peak_bytes, eager_peak_bytes=eager.peak_bytes,
             predicted_recompute_seconds=evaluation.recompute_seconds,
             predicted_overhead=evaluation.recompute_seconds / eager_seconds if eager_seconds > 0 else 0.0,
-            solver=solver, status=status, gap=gap, solve_seconds=solve_seconds, budget_bytes=budget_bytes)
+            solver=solver, status=status, gap=gap, solve_seconds=solve_seconds, budget_bytes=budget_bytes,
+            stage_summaries=stage_summaries(problem, schedule))
 
     @property
     def schedule(self) -> Schedule:
@@ -126,35 +192,73 @@ class Plan:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "Plan":
+        """Read a plan from :meth:`to_dict`'s output, checked against ``planner/plan.schema.json``.
+
+        Raises :class:`~planner.errors.PlannerError` naming the JSON path of the first bad field.
+
+        >>> Plan.from_dict({"schema_version": 1, "stage_names": ["a"], "regions": [{"start": 0, "stop": 2}],
+        ...                 "predicted_peak_bytes": 10, "eager_peak_bytes": 20, "predicted_recompute_seconds": 0.1,
+        ...                 "predicted_overhead": 0.05, "solver": "dp", "status": "optimal"})  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        planner.errors.PlannerError: plan data is malformed at $.regions[0].stop: region [0, 2) runs past the last ...
+        """
+        if not isinstance(data, dict):
+            raise PlannerError("plan JSON must be an object", hint=_PLAN_HINT)
+        if data.get("schema_version") != SCHEMA_VERSION:
+            raise PlannerError(f"plan has schema_version {data.get('schema_version')!r}, this planner reads "
+                               f"{SCHEMA_VERSION}", hint="re-create the plan with this version of planner")
         try:
-            if data.get("schema_version") != SCHEMA_VERSION:
-                raise PlannerError(f"plan has schema_version {data.get('schema_version')!r}, this planner reads "
-                                   f"{SCHEMA_VERSION}", hint="re-create the plan with this version of planner")
-            fields = {f.name for f in dataclasses.fields(cls)}
-            unknown = set(data) - fields
-            if unknown:
-                raise PlannerError(f"plan has unknown fields {sorted(unknown)}")
-            values = dict(data)
-            values["status"] = SolverStatus(data["status"])
-            values["regions"] = tuple(PlannedRegion(r["start"], r["stop"], tuple(r.get("cached_nodes", ())),
-                                                    tuple(r.get("options", ()))) for r in data["regions"])
-            values["stage_names"] = tuple(data["stage_names"])
-            values["stage_nodes"] = tuple(tuple(s) for s in data.get("stage_nodes", ()))
-            values["extra"] = tuple(sorted(data.get("extra", {}).items()))
-            plan = cls(**values)
-            plan.schedule  # validates region order and bounds
-            return plan
-        except PlannerError:
-            raise
-        except (KeyError, TypeError, ValueError) as exc:
-            raise PlannerError(f"plan data is malformed: {exc}", hint="plans are written by Plan.to_json()") from exc
+            validate(data, plan_schema(), subject="plan")
+            _check_consistency(data)
+        except PlannerError as exc:
+            raise PlannerError(exc.message, hint=_PLAN_HINT) from None
+        values = dict(data)
+        values["status"] = SolverStatus(data["status"])
+        values["regions"] = tuple(PlannedRegion(r["start"], r["stop"], tuple(r.get("cached_nodes", ())),
+                                                tuple(r.get("options", ()))) for r in data["regions"])
+        values["stage_names"] = tuple(data["stage_names"])
+        values["stage_nodes"] = tuple(tuple(s) for s in data.get("stage_nodes", ()))
+        values["stage_summaries"] = tuple(StageSummary(**{**s, "cached_nodes": tuple(s["cached_nodes"])})
+                                          for s in data.get("stage_summaries", ()))
+        values["extra"] = tuple(sorted(data.get("extra", {}).items()))
+        return cls(**values)
 
     @classmethod
     def from_json(cls, text: str) -> "Plan":
         try:
             data = json.loads(text)
         except json.JSONDecodeError as exc:
-            raise PlannerError(f"plan is not valid JSON: {exc}", hint="plans are written by Plan.to_json()") from exc
-        if not isinstance(data, dict):
-            raise PlannerError("plan JSON must be an object", hint="plans are written by Plan.to_json()")
+            raise PlannerError(f"plan is not valid JSON: {exc}", hint=_PLAN_HINT) from exc
         return cls.from_dict(data)
+
+
+_PLAN_HINT = "plans are written by Plan.to_json(); their schema is planner/plan.schema.json"
+
+
+def _malformed(path: str, problem: str) -> PlannerError:
+    return PlannerError(f"plan data is malformed at {path}: {problem}")
+
+
+def _check_consistency(data: dict[str, Any]) -> None:
+    """What the schema cannot say: regions in order within the stages, one entry per stage in the lists."""
+    n = len(data["stage_names"])
+    last = -1
+    for i, r in enumerate(data["regions"]):
+        path = f"$.regions[{i}]"
+        if r["start"] <= last:
+            raise _malformed(f"{path}.start", f"region starts at {r['start']}, inside or before the previous one")
+        if r["stop"] <= r["start"]:
+            raise _malformed(f"{path}.stop", f"region [{r['start']}, {r['stop']}) is empty")
+        if r["stop"] > n:
+            raise _malformed(f"{path}.stop", f"region [{r['start']}, {r['stop']}) runs past the last stage {n - 1}")
+        if r.get("options") and len(r["options"]) != r["stop"] - r["start"]:
+            raise _malformed(f"{path}.options", f"{len(r['options'])} options for {r['stop'] - r['start']} stages")
+        last = r["stop"] - 1
+    for key in ("stage_nodes", "stage_summaries"):
+        if data.get(key) and len(data[key]) != n:
+            raise _malformed(f"$.{key}", f"{len(data[key])} entries for {n} stages")
+    for k, summary in enumerate(data.get("stage_summaries", ())):
+        if summary["name"] != data["stage_names"][k]:
+            raise _malformed(f"$.stage_summaries[{k}].name",
+                             f"{summary['name']!r} is not stage {k}, {data['stage_names'][k]!r}")

@@ -1,0 +1,94 @@
+import dataclasses
+
+import pytest
+
+import planner
+from planner.explain import explain, format_seconds
+from planner.plan import Plan, SolverStatus, StageSummary
+from planner.problem import Problem, RecomputeOption, Region, Schedule, Stage, TensorInfo
+
+
+def _problem():
+    """Four layers: each makes a hidden tensor it saves and an output the next layer reads and saves."""
+    stages = tuple(Stage(f"layers.{i}", 0.003, 0.006, options=(
+        RecomputeOption("all", frozenset(), 0.003), RecomputeOption("keep_mm", frozenset({f"mm{i}"}), 0.001)))
+        for i in range(4))
+    tensors = tuple(t for i in range(4) for t in (
+        TensorInfo(f"h{i}", 8192, producer=i, savers=frozenset({i}), node=f"mm{i}"),
+        TensorInfo(f"x{i}", 1024, producer=i, consumers=frozenset({i + 1} if i < 3 else ()),
+                   savers=frozenset({i, i + 1} if i < 3 else {i}), node=f"out{i}")))
+    return Problem(stages, tensors, fixed_bytes=4096)
+
+
+def _plan(schedule):
+    return Plan.from_schedule(_problem(), schedule, solver="ilp", status=SolverStatus.OPTIMAL, gap=0.0,
+                              budget_bytes=60_000)
+
+
+def test_stage_summaries_record_what_each_stage_saves_and_costs():
+    plan = _plan(Schedule((Region(1, 3, (0, 1)),)))
+    stored, first, cached, last = plan.stage_summaries
+    assert [s.name for s in plan.stage_summaries] == list(plan.stage_names)
+    assert (stored.saved_bytes_eager, stored.saved_bytes_planned) == (8192 + 1024, 8192 + 1024)
+    assert stored.recompute_seconds == 0 and stored.cached_nodes == ()
+    # saved eagerly: own hidden, own output, the previous output (saved by both stages, counted for both)
+    assert first.saved_bytes_eager == 8192 + 1024 + 1024
+    assert (first.recompute_seconds, first.cached_nodes) == (0.003, ())
+    assert first.saved_bytes_planned == 1024  # the region's input, kept by the checkpoint
+    assert (cached.recompute_seconds, cached.cached_nodes) == (0.001, ("mm2",))
+    assert cached.saved_bytes_planned == 8192  # the output of its cached node mm2
+    assert last.saved_bytes_planned == last.saved_bytes_eager == 8192 + 1024 + 1024
+    assert (first.forward_seconds, first.backward_seconds) == (0.003, 0.006)
+
+
+def test_stage_summaries_round_trip_through_json():
+    plan = _plan(Schedule((Region(0, 2, (1, 0)),)))
+    again = Plan.from_json(plan.to_json())
+    assert again == plan
+    assert again.stage_summaries == plan.stage_summaries
+    assert isinstance(again.stage_summaries[0], StageSummary)
+    assert isinstance(again.stage_summaries[0].cached_nodes, tuple)
+
+
+def test_explain_shows_one_row_per_stage_with_decision_bytes_and_time():
+    text = explain(_plan(Schedule((Region(1, 3, (0, 1)),))))
+    lines = text.splitlines()
+    assert lines[0] == "plan by ilp (optimal): 2 of 4 stages recomputed in 1 region(s)"
+    assert lines[1].split() == ["stage", "decision", "kept", "(plan)", "kept", "(eager)", "recompute"]
+    rows = {line.split()[0]: line for line in lines[3:7]}
+    assert list(rows) == ["layers.0", "layers.1", "layers.2", "layers.3"]
+    assert "stored" in rows["layers.0"] and "9.00 KiB" in rows["layers.0"]
+    assert rows["layers.1"].split()[1:5] == ["recomputed", "in", "region", "0"] and "caching" not in rows["layers.1"]
+    assert "3.00 ms" in rows["layers.1"]
+    assert "recomputed in region 0, caching 1 node " in rows["layers.2"] and "1.00 ms" in rows["layers.2"]
+    assert rows["layers.1"].split()[-6:-2] == ["1.00", "KiB", "10.00", "KiB"]
+    total = lines[8]
+    assert total.startswith("total") and "2 of 4 recomputed" in total and total.endswith("4.00 ms")
+    assert "predicted peak" in text and "within a budget of 58.59 KiB" in text
+
+
+def test_explain_lists_cached_nodes_on_request():
+    text = explain(_plan(Schedule((Region(2, 3, (1,)),))), show_nodes=True)
+    assert "    caches mm2" in text.splitlines()
+    assert "caches" not in explain(_plan(Schedule((Region(2, 3, (1,)),))))
+
+
+def test_explain_numbers_regions_in_order():
+    text = explain(_plan(Schedule.uniform(4)))
+    for i in range(4):
+        assert f"layers.{i}  recomputed in region {i}" in text
+
+
+def test_explain_marks_missing_numbers_of_plans_without_summaries():
+    plan = dataclasses.replace(_plan(Schedule.uniform(4)), stage_summaries=())
+    rows = explain(plan).splitlines()[3:7]
+    assert all(row.split()[-3:] == ["?", "?", "?"] for row in rows)
+
+
+def test_explain_is_exported_from_the_package():
+    assert planner.explain is explain
+
+
+@pytest.mark.parametrize("seconds, text", [(0, "0"), (5e-7, "0.5 us"), (0.25, "250.00 ms"), (12.5, "12.50 s")])
+def test_format_seconds(seconds, text):
+    assert format_seconds(seconds) == text
