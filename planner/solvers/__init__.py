@@ -3,7 +3,8 @@
 * ``"ilp"``: exact mixed-integer program (:mod:`.ilp`), any problem;
 * ``"dp"``: dynamic program (:mod:`.dp`), exact on chains, conservative elsewhere;
 * ``"store_all"``, ``"uniform"``, ``"chen_sqrt"``, ``"fewest_blocks"``: baselines (:mod:`.baselines`);
-* ``"auto"``: the DP when :meth:`Problem.is_chain() <planner.problem.Problem.is_chain>`, else the ILP.
+* ``"auto"``: the DP when :meth:`Problem.is_chain() <planner.problem.Problem.is_chain>` (and the ILP too when the
+  DP cannot prove its plan optimal), else the ILP.
 
 >>> from planner.problem import Problem, Stage, TensorInfo
 >>> stages = tuple(Stage(f"s{i}", 1.0, 2.0) for i in range(4))
@@ -23,7 +24,7 @@ planner.errors.PlannerError: unknown solver method 'magic'. Hint: choose one of 
 from __future__ import annotations
 
 from ..errors import PlannerError
-from ..plan import Plan
+from ..plan import Plan, SolverStatus
 from ..problem import Problem
 from .baselines import BASELINES, solve_baseline
 from .dp import minimum_peak, solve_dp
@@ -38,7 +39,7 @@ def solve(problem: Problem, budget_bytes: int, method: str = "auto", **options) 
     """Plan ``problem`` under ``budget_bytes`` with ``method``; ``options`` go to the solver (``time_limit``,
     ``gap`` for the ILP, ``buckets`` for the DP)."""
     if method == "auto":
-        method = "dp" if problem.is_chain() else "ilp"
+        return _solve_auto(problem, budget_bytes, **options)
     if method == "ilp":
         return solve_ilp(problem, budget_bytes, **options)
     if method == "dp":
@@ -48,3 +49,16 @@ def solve(problem: Problem, budget_bytes: int, method: str = "auto", **options) 
             raise PlannerError(f"baseline {method!r} takes no options, got {sorted(options)}")
         return solve_baseline(problem, method, budget_bytes)
     raise PlannerError(f"unknown solver method {method!r}", hint=f"choose one of {', '.join(METHODS)}")
+
+
+def _solve_auto(problem: Problem, budget_bytes: int, **options) -> Plan:
+    """The DP on chains; the ILP where the DP cannot prove its plan optimal (non-chains, coarse discretisation or
+    a cut Pareto front), keeping the faster of the two plans."""
+    ilp_options = {k: v for k, v in options.items() if k in ("time_limit", "gap")}
+    if not problem.is_chain():
+        return solve_ilp(problem, budget_bytes, **ilp_options)
+    plan = solve_dp(problem, budget_bytes, **{k: v for k, v in options.items() if k not in ilp_options})
+    if plan.status is SolverStatus.OPTIMAL:
+        return plan
+    exact = solve_ilp(problem, budget_bytes, **ilp_options)
+    return exact if exact.predicted_recompute_seconds <= plan.predicted_recompute_seconds else plan
