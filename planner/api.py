@@ -36,10 +36,11 @@ __all__ = ["optimize", "plan", "apply", "OptimizedModule", "Planned"]
 
 @dataclass(frozen=True)
 class Planned:
-    """Everything one planning run produced: the captured graph, the problem it posed, and the plan."""
+    """Everything one planning run produced: the captured graph, the problem it posed (None for a plan loaded from
+    JSON, which carries its predictions but not the profile), and the plan."""
 
     captured: CapturedGraph
-    problem: Problem
+    problem: Problem | None
     plan: Plan
 
 
@@ -295,5 +296,5 @@ def apply(model: torch.nn.Module, plan: Plan, example_inputs: Any = None, *,
     optimized = OptimizedModule(model, plan.budget_text or plan.budget_bytes or "100%",
                                 planner_options=dict(loss_fn=None, optimizer=None, solver=plan.solver,
                                                      max_stages=64, profile_repeats=3, solver_options=None))
-    optimized.add_plan(Planned(captured, Problem((), ()), plan))
+    optimized.add_plan(Planned(captured, None, plan))
     return optimized
