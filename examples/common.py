@@ -102,23 +102,17 @@ def param_bytes(model: torch.nn.Module) -> int:
 
 
 def saved_activation_bytes(ex: Example) -> int:
-    """Bytes of the unique storages autograd saves for backward in one forward,
-    excluding parameter storages.  A rough measure (it runs the real forward
-    once and so advances the RNG and BatchNorm statistics)."""
-    param_storages = {p.untyped_storage().data_ptr() for p in ex.model.parameters()}
-    seen: dict[int, int] = {}
+    """Bytes alive after one forward (what the backward will need, and the loss), counted as live storages.
 
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        s = t.untyped_storage()
-        ptr = s.data_ptr()
-        if ptr not in param_storages and ptr not in seen:
-            seen[ptr] = s.nbytes()
-        return t
+    It runs the real forward once, so it advances the RNG and BatchNorm statistics.
+    """
+    from planner.meter import LiveMemoryMeter
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with LiveMemoryMeter() as meter:
         loss = ex.run()
+        alive = meter.live_bytes
     del loss
-    return sum(seen.values())
+    return alive
 
 
 def train_demo(build: Callable[..., Example], size: str = "demo", steps: int = 3,

@@ -49,7 +49,7 @@ def test_sees_what_selective_checkpointing_caches():
     from torch.utils.checkpoint import noop_context_fn
     plain = after_forward(noop_context_fn)
     cached = after_forward(functools.partial(create_selective_checkpoint_contexts, policy))
-    assert cached - plain >= 512 * 256 * 4  # the first mm output is cached, invisible to saved_tensors_hooks
+    assert cached - plain >= 512 * 256 * 4  # the first mm output is cached, invisible to autograd's saved-tensor hooks
 
 
 def test_segments_record_the_peak_between_marks():
