@@ -275,7 +275,7 @@ def liveness(problem: Problem, schedule: Schedule, tensor: TensorInfo) -> _Liven
         inside = [s for s in tensor.savers if owner[s] == home]
         if cached and inside:
             holders.append(min(inside))
-        elif cached:
+        elif cached and not tensor.is_output:  # an output stays with the caller: held, never consumed
             consumed_at = region.stop - 1
         elif inside:
             copy_range = (min(inside), region.stop - 1)

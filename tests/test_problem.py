@@ -119,3 +119,15 @@ def test_is_chain():
     assert chain().is_chain()
     skip = TensorInfo("skip", 1, producer=0, consumers=frozenset({3}), node="s")
     assert not Problem(chain().stages, chain().tensors + (skip,)).is_chain()
+
+
+def test_a_cached_output_is_held_by_the_caller_and_counted_once():
+    option = RecomputeOption("cache", frozenset({"logits"}), 0.0)
+    stages = (Stage("a", 1, 1, options=(RecomputeOption("all", frozenset(), 1.0), option)),)
+    out = TensorInfo("logits", 64, producer=0, node="logits", is_output=True)
+    problem = Problem(stages, (out,))
+    life = liveness(problem, Schedule((Region(0, 1, (1,)),)), out)
+    assert life.held_from == -1 and life.consumed_at is None
+    recompute = next(e for e in simulate(problem, Schedule((Region(0, 1, (1,)),))).events
+                     if e.phase is Phase.RECOMPUTE)
+    assert recompute.activation_bytes == 64

@@ -290,7 +290,7 @@ def _resolve_pinned(tables: _Tables, stage: int, option: int, copies: int,
     entries = list(future)
     for x in tables.pinned[stage]:
         cached = option in x.caching
-        if x.first_saver is not None or cached:
+        if x.first_saver is not None or (cached and not x.is_output):  # the caller holds outputs: never consumed
             entries.append((x.first_saver if x.first_saver is not None else n, x.nbytes, cached))
     remaining = []
     for first, nbytes, cached in entries:

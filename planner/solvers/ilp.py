@@ -258,16 +258,6 @@ class Encoding:
         ways += [self.cached(g)] if g.caching_options else []
         return self.at_least(f"held_{index}", ways) if ways else None
 
-    def _output_consumed(self, index: int, g: TensorGroup, k: int) -> pulp.LpVariable | None:
-        """A cached model output with no saver in its region is counted again when the recomputation at k consumes it."""
-        p, first = g.producer, g.first_saver
-        if not g.caching_options or k < p or (first is not None and k >= first):
-            return None
-        bound = self.cached(g) + self.same_region(p, k) + self.region_end(k) - 2
-        if first is not None:
-            bound -= self.same_region(p, first)
-        return self.at_least(f"consumed_{index}_{k}", [bound])
-
     # copies
     def _copies(self, p: int, k: int, saved_before: int) -> pulp.LpVariable | None:
         """Bytes of ``p``'s tensors whose first saver is ``<= saved_before``, recomputed again, if ``p .. k`` share a
@@ -341,8 +331,7 @@ class Encoding:
             for k in range(n):
                 terms.start[k].append(size)
                 terms.after[k].append(size)
-                consumed = self._output_consumed(index, g, k)
-                terms.recompute[k].append(size if consumed is None else size + size * consumed)
+                terms.recompute[k].append(size)
             return
         live = self._liveness(index, g)
         if live.held_at_all is None:
