@@ -10,43 +10,24 @@ with interleaved repeats (fastest of the repeats: load on the machine only adds 
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import time
 
 import torch
 
 from examples.common import EXAMPLES, build_example
 from planner import solvers
-from planner.api import fingerprint, pose_problem
+from planner.api import planned_module, pose_problem
 from planner.budget import format_bytes
 from planner.capture import capture
-from planner.meter import LiveMemoryMeter, storage_bytes
 from planner.problem import Schedule, simulate
-from planner.rewrite import apply_plan
 
 POINTS = (0.0, 0.25, 0.5, 0.75, 1.0)
-
-
-def measured_peak(example, module) -> int:
-    model = example.model
-    fixed = storage_bytes(list(model.parameters()) + list(model.buffers())
-                          + [t for t in example.example_inputs if isinstance(t, torch.Tensor)])
-    with LiveMemoryMeter() as meter:
-        example.loss_fn(module(*example.example_inputs, **example.example_kwargs)).backward()
-    for p in model.parameters():
-        p.grad = None
-    return fixed + meter.peak_bytes
 
 
 def fastest_steps(example, modules: dict, repeats: int) -> dict[str, float]:
     best = {name: float("inf") for name in modules}
     for _ in range(repeats):
         for name, module in modules.items():
-            start = time.perf_counter()
-            example.loss_fn(module(*example.example_inputs, **example.example_kwargs)).backward()
-            best[name] = min(best[name], time.perf_counter() - start)
-            for p in example.model.parameters():
-                p.grad = None
+            best[name] = min(best[name], example.step_seconds(module))
     return best
 
 
@@ -59,12 +40,12 @@ def rows_for(name: str, size: str, repeats: int) -> list[tuple]:
     plans = {}
     for point in POINTS:
         plan = solvers.solve(problem, int(smallest + point * (eager_peak - smallest)))
-        plans[f"{point:.0%}"] = dataclasses.replace(plan, stage_nodes=stage_nodes, fingerprint=fingerprint(captured))
-    modules = {"eager": example.model, **{k: apply_plan(captured.graph_module, p) for k, p in plans.items()}}
+        plans[f"{point:.0%}"] = plan
+    modules = {"eager": example.model, **{k: planned_module(captured, p, stage_nodes) for k, p in plans.items()}}
     seconds = fastest_steps(example, modules, repeats)
     rows = []
     for key, plan in plans.items():
-        peak = measured_peak(example, modules[key])
+        peak, _ = example.measured_step(modules[key])
         overhead = seconds[key] / seconds["eager"] - 1
         rows.append((name, key, plan.budget_bytes, plan.predicted_peak_bytes, peak, plan.predicted_overhead,
                      overhead))

@@ -11,7 +11,6 @@ planner's speed-up over uniform.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import statistics
 import time
 
@@ -19,33 +18,11 @@ import torch
 
 from examples.common import EXAMPLES, build_example
 from planner import solvers
-from planner.api import fingerprint, pose_problem
+from planner.api import planned_module, pose_problem
 from planner.budget import format_bytes
 from planner.capture import capture
-from planner.meter import LiveMemoryMeter, storage_bytes
 from planner.plan import Plan, SolverStatus
 from planner.problem import Schedule
-from planner.rewrite import apply_plan
-
-
-def peak_of(example, module) -> int:
-    model = example.model
-    fixed = storage_bytes(list(model.parameters()) + list(model.buffers())
-                          + [t for t in example.example_inputs if isinstance(t, torch.Tensor)])
-    with LiveMemoryMeter() as meter:
-        example.loss_fn(module(*example.example_inputs, **example.example_kwargs)).backward()
-    for p in model.parameters():
-        p.grad = None
-    return fixed + meter.peak_bytes
-
-
-def step_seconds(example, module) -> float:
-    start = time.perf_counter()
-    example.loss_fn(module(*example.example_inputs, **example.example_kwargs)).backward()
-    seconds = time.perf_counter() - start
-    for p in example.model.parameters():
-        p.grad = None
-    return seconds
 
 
 def run(name: str, size: str, repeats: int) -> dict:
@@ -55,24 +32,20 @@ def run(name: str, size: str, repeats: int) -> dict:
     problem, stage_nodes = pose_problem(captured, loss_fn=example.loss_fn)
     profile_seconds = time.perf_counter() - start
 
-    def module_for(plan):
-        plan = dataclasses.replace(plan, stage_nodes=stage_nodes, fingerprint=fingerprint(captured))
-        return apply_plan(captured.graph_module, plan)
-
     uniform_plan = Plan.from_schedule(problem, Schedule.uniform(problem.num_stages), solver="uniform",
                                       status=SolverStatus.HEURISTIC)
-    uniform = module_for(uniform_plan)
-    uniform_peak = peak_of(example, uniform)
+    uniform = planned_module(captured, uniform_plan, stage_nodes)
+    uniform_peak, _ = example.measured_step(uniform)
     start = time.perf_counter()
     plan = solvers.solve(problem, max(uniform_peak, uniform_plan.predicted_peak_bytes))
     solve_seconds = time.perf_counter() - start
-    planned = module_for(plan)
+    planned = planned_module(captured, plan, stage_nodes)
     modules = {"eager": example.model, "uniform": uniform, "planner": planned}
-    peaks = {k: peak_of(example, m) for k, m in modules.items()}
+    peaks = {k: example.measured_step(m)[0] for k, m in modules.items()}
     times = {k: [] for k in modules}
     for _ in range(repeats):
         for k, m in modules.items():
-            times[k].append(step_seconds(example, m))
+            times[k].append(example.step_seconds(m))
     return dict(name=name, stages=problem.num_stages, peaks=peaks, times=times, plan=plan, uniform=uniform_plan,
                 profile_seconds=profile_seconds, solve_seconds=solve_seconds)
 

@@ -48,6 +48,30 @@ class Example:
         """The container named by ``block_path``."""
         return self.model.get_submodule(self.block_path)
 
+    def measured_step(self, model: torch.nn.Module | None = None) -> tuple[int, torch.Tensor]:
+        """Peak bytes and loss of one forward + backward through ``model`` (default: ``self.model``).
+
+        The peak counts live storages (a live-storage meter) plus the parameters, buffers and inputs;
+        gradients are cleared afterwards.
+        """
+        from planner.meter import LiveMemoryMeter, storage_bytes
+
+        fixed = storage_bytes(list(self.model.parameters()) + list(self.model.buffers())
+                              + [t for t in self.example_inputs if isinstance(t, torch.Tensor)])
+        with LiveMemoryMeter() as meter:
+            loss = self.run(model)
+            loss.backward()
+        self.model.zero_grad(set_to_none=True)
+        return fixed + meter.peak_bytes, loss.detach()
+
+    def step_seconds(self, model: torch.nn.Module | None = None) -> float:
+        """Seconds of one forward + backward through ``model``; gradients are cleared afterwards."""
+        start = time.perf_counter()
+        self.run(model).backward()
+        seconds = time.perf_counter() - start
+        self.model.zero_grad(set_to_none=True)
+        return seconds
+
 
 def check_size(size: str) -> str:
     if size not in SIZES:

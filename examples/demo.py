@@ -21,40 +21,15 @@ import torch
 
 import planner
 from planner.budget import format_bytes
-from planner.meter import LiveMemoryMeter, storage_bytes
 
 from .common import build_example
 
 
-def measure(example, module, *, seed: int) -> tuple[int, float, float]:
-    """Peak bytes, seconds and loss of one training step of ``module``."""
-    model = example.model
-    for p in model.parameters():
-        p.grad = None
-    fixed = storage_bytes(list(model.parameters()) + list(model.buffers())
-                          + [t for t in example.example_inputs if isinstance(t, torch.Tensor)])
-    torch.manual_seed(seed)
-    start = time.perf_counter()
-    with LiveMemoryMeter() as meter:
-        loss = example.loss_fn(module(*example.example_inputs, **example.example_kwargs))
-        loss.backward()
-    seconds = time.perf_counter() - start
-    for p in model.parameters():
-        p.grad = None
-    return fixed + meter.peak_bytes, seconds, loss.item()
-
-
-def timed(example, module, repeats: int) -> float:
-    """Median seconds of ``repeats`` training steps (no meter)."""
-    samples = []
-    for i in range(repeats):
-        torch.manual_seed(i)
-        start = time.perf_counter()
-        example.loss_fn(module(*example.example_inputs, **example.example_kwargs)).backward()
-        samples.append(time.perf_counter() - start)
-    for p in example.model.parameters():
-        p.grad = None
-    return statistics.median(samples)
+def measure(example, module) -> tuple[int, float]:
+    """Peak bytes and loss of one training step of ``module``, from the same random state as the others."""
+    torch.manual_seed(0)
+    peak, loss = example.measured_step(module)
+    return peak, loss.item()
 
 
 class HFCheckpointed(torch.nn.Module):
@@ -84,9 +59,9 @@ def main(argv=None) -> None:
     params = sum(p.numel() for p in model.parameters())
     print(f"GPT-2 ({args.size}): {params / 1e6:.2f} M parameters, batch {tuple(example.example_inputs[0].shape)}")
 
-    eager_peak, _, eager_loss = measure(example, model, seed=0)
+    eager_peak, eager_loss = measure(example, model)
     uniform = HFCheckpointed(model)
-    uniform_peak, _, uniform_loss = measure(example, uniform, seed=0)
+    uniform_peak, uniform_loss = measure(example, uniform)
 
     start = time.perf_counter()
     options = dict(example_kwargs=example.example_kwargs, loss_fn=example.loss_fn, hold_outputs=False)
@@ -97,13 +72,13 @@ def main(argv=None) -> None:
     rows = [("eager", model, eager_peak, eager_loss), ("HF gradient checkpointing", uniform, uniform_peak,
                                                        uniform_loss)]
     for name, opt in (("planner @ 50% of eager", half), ("planner @ uniform's memory", at_uniform)):
-        peak, _, loss = measure(example, opt, seed=0)
+        peak, loss = measure(example, opt)
         rows.append((name, opt, peak, loss))
 
     times = {name: [] for name, *_ in rows}
     for _ in range(args.repeats):  # interleaved, so load on the machine hits every method alike
         for name, module, *_ in rows:
-            times[name].append(timed(example, module, 1))
+            times[name].append(example.step_seconds(module))
     eager_time = statistics.median(times["eager"])
     print(f"\n{'method':28s} {'peak memory':>12s} {'vs eager':>9s} {'step time':>10s} {'vs eager':>9s} "
           f"{'loss':>9s}")

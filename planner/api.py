@@ -80,6 +80,13 @@ def fingerprint(captured: CapturedGraph) -> str:
     return digest.hexdigest()[:16]
 
 
+def planned_module(captured: CapturedGraph, plan: Plan,
+                   stage_nodes: tuple[tuple[str, ...], ...]) -> torch.fx.GraphModule:
+    """The rewritten module running ``plan`` (as a solver returned it, for the stages ``stage_nodes`` lists)."""
+    plan = dataclasses.replace(plan, stage_nodes=stage_nodes, fingerprint=fingerprint(captured))
+    return apply_plan(captured.graph_module, plan)
+
+
 def _device_of(model: torch.nn.Module) -> str:
     first = next(model.parameters(), None)
     return first.device.type if first is not None else "cpu"
@@ -119,7 +126,7 @@ def _calibrate_checkpoint_overheads(captured: CapturedGraph, problem: Problem, s
     modules = {"eager": captured.graph_module}
     for name, schedule in schedules.items():
         plan = Plan.from_schedule(problem, schedule, solver=name, status=SolverStatus.HEURISTIC)
-        modules[name] = apply_plan(captured.graph_module, dataclasses.replace(plan, stage_nodes=stage_nodes))
+        modules[name] = planned_module(captured, plan, stage_nodes)
     args, kwargs, loss_of = captured.example_args, captured.example_kwargs, loss_fn or default_loss
 
     def step(module):

@@ -7,17 +7,14 @@ equal to eager. At the memory uniform per-block checkpointing reaches, the plan 
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 
 from examples.common import build_example
 from planner import solvers
-from planner.api import fingerprint, pose_problem
+from planner.api import planned_module, pose_problem
 from planner.capture import capture
 from planner.plan import Plan, SolverStatus
 from planner.problem import Schedule, simulate
-from planner.rewrite import apply_plan
 from tests.helpers import assert_same_training, training_step
 
 MODELS = ["largeblock", "gpt2", "llama", "resnet", "unet"]
@@ -31,11 +28,6 @@ def posed(request):
     problem, stage_nodes = pose_problem(captured, loss_fn=example.loss_fn, profile_repeats=1, hold_outputs=False)
     eager = training_step(example.model, example.run, example.example_inputs)
     return example, captured, problem, stage_nodes, eager
-
-
-def _module_for(captured, stage_nodes, plan):
-    plan = dataclasses.replace(plan, stage_nodes=stage_nodes, fingerprint=fingerprint(captured))
-    return apply_plan(captured.graph_module, plan)
 
 
 def _step(example, module):
@@ -57,7 +49,7 @@ def test_plans_fit_the_budget_predict_memory_and_train_exactly(posed, point):
     budget = int(smallest + point * (eager_peak - smallest))
     plan = solvers.solve(problem, budget, method="auto")
     assert plan.predicted_peak_bytes <= budget
-    result = _step(example, _module_for(captured, stage_nodes, plan))
+    result = _step(example, planned_module(captured, plan, stage_nodes))
     assert result.peak_bytes <= budget, (result.peak_bytes, budget)
     assert plan.predicted_peak_bytes == pytest.approx(result.peak_bytes, rel=0.05)
     assert_same_training(eager, result)
@@ -67,11 +59,11 @@ def test_plan_at_uniform_memory_recomputes_no_more_than_uniform(posed):
     example, captured, problem, stage_nodes, eager = posed
     uniform = Plan.from_schedule(problem, Schedule.uniform(problem.num_stages), solver="uniform",
                                  status=SolverStatus.HEURISTIC)
-    uniform_measured = _step(example, _module_for(captured, stage_nodes, uniform))
+    uniform_measured = _step(example, planned_module(captured, uniform, stage_nodes))
     assert_same_training(eager, uniform_measured)
     budget = max(uniform.predicted_peak_bytes, uniform_measured.peak_bytes)
     plan = solvers.solve(problem, budget, method="auto")
     assert plan.predicted_recompute_seconds <= uniform.predicted_recompute_seconds + 1e-12
-    measured = _step(example, _module_for(captured, stage_nodes, plan))
+    measured = _step(example, planned_module(captured, plan, stage_nodes))
     assert measured.peak_bytes <= budget
     assert_same_training(eager, measured)
