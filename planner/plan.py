@@ -64,6 +64,15 @@ class StageSummary:
     saved_bytes_planned: int | None = None
 
 
+def usable_bytes(budget_bytes: int, allocator_margin: float) -> int:
+    """What a plan may use of ``budget_bytes`` when ``allocator_margin`` of it is left to the allocator.
+
+    >>> usable_bytes(80 * 10**9, 0.05)
+    76000000000
+    """
+    return int(budget_bytes * (1.0 - allocator_margin))
+
+
 def _saved_bytes(problem: Problem) -> list[int]:
     saved = [0] * problem.num_stages
     for t in problem.tensors:
@@ -128,6 +137,18 @@ class Plan:
     stage_summaries: tuple[StageSummary, ...] = ()
     extra: tuple[tuple[str, Any], ...] = field(default=(), compare=False)
     schema_version: int = SCHEMA_VERSION
+    timing: str = ""  # where the times came from: "wall_clock", "cuda_events", "analytic:h100"
+    allocator_margin: float = 0.0  # share of the budget left to the allocator: planned for budget * (1 - margin)
+
+    @property
+    def planned_budget_bytes(self) -> int | None:
+        """The bytes the solver planned against: the budget less the allocator margin.
+
+        >>> Plan((), (), 0, 0, 0.0, 0.0, "dp", SolverStatus.OPTIMAL, budget_bytes=1000,
+        ...      allocator_margin=0.05).planned_budget_bytes
+        950
+        """
+        return usable_bytes(self.budget_bytes, self.allocator_margin) if self.budget_bytes is not None else None
 
     @classmethod
     def from_schedule(cls, problem: Problem, schedule: Schedule, *, solver: str, status: SolverStatus,
@@ -164,11 +185,14 @@ class Plan:
             f"planner plan ({self.solver}, {self.status.value}"
             + (f", gap {self.gap:.2%}" if self.gap is not None else "") + f", solved in {self.solve_seconds:.2f}s)",
             f"  budget          {format_bytes(self.budget_bytes) if self.budget_bytes else 'none'}"
-            + (f" (given as {self.budget_text!r})" if self.budget_text else ""),
+            + (f" (given as {self.budget_text!r})" if self.budget_text else "")
+            + (f", planned for {format_bytes(self.planned_budget_bytes)} leaving {self.allocator_margin:.0%} to the "
+               f"allocator" if self.allocator_margin and self.budget_bytes else ""),
             f"  eager peak      {format_bytes(self.eager_peak_bytes)}",
             f"  predicted peak  {format_bytes(self.predicted_peak_bytes)}"
             f" ({self.predicted_peak_bytes / max(self.eager_peak_bytes, 1):.0%} of eager)",
-            f"  overhead        +{self.predicted_overhead:.1%} step time (predicted)",
+            f"  overhead        +{self.predicted_overhead:.1%} step time (predicted"
+            + (f", times {self.timing}" if self.timing else "") + ")",
             f"  stages          {len(self.stage_names)}, recomputed {len(self.recomputed_stage_names)}"
             f" in {len(self.regions)} region(s)",
         ]

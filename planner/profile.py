@@ -34,6 +34,9 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from .capture import CapturedGraph, flat_call_args, module_path
 from .meter import LiveMemoryMeter, storage_bytes
+from .timing import Stopwatch, WallStopwatch
+
+Kernels = dict  # graph target -> what to call instead while profiling (see planner.meta.target_kernels)
 
 
 @dataclass(frozen=True)
@@ -123,9 +126,10 @@ class _StorageTracker(TorchDispatchMode):
 class ProfilingInterpreter(fx.Interpreter):
     """Runs the graph once, recording per node allocations, reads, saved tensors and FLOPs into ``node.meta``."""
 
-    def __init__(self, gm: fx.GraphModule, param_storages: dict[int, str]):
+    def __init__(self, gm: fx.GraphModule, param_storages: dict[int, str], kernels: Kernels | None = None):
         super().__init__(gm)
         self.param_storages = param_storages
+        self.kernels = kernels or {}
         self.tracker = _StorageTracker()
         self.profiles: list[NodeProfile] = []
 
@@ -145,7 +149,7 @@ class ProfilingInterpreter(fx.Interpreter):
         start = len(self.tracker.created)
         flop_counter = FlopCounterMode(display=False)
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), flop_counter, self.tracker:
-            out = n.target(*args, **kwargs)
+            out = self.kernels.get(n.target, n.target)(*args, **kwargs)
         new_keys = self.tracker.created[start:]
         alive = set(self.tracker.keys.values())
         differentiable = {self.tracker.key_of(t) for t in tree_leaves(out)
@@ -165,18 +169,23 @@ class ProfilingInterpreter(fx.Interpreter):
 
 
 class _TimingInterpreter(fx.Interpreter):
-    def __init__(self, gm: fx.GraphModule):
+    def __init__(self, gm: fx.GraphModule, stopwatch: Stopwatch, kernels: Kernels | None = None):
         super().__init__(gm)
-        self.seconds: dict[str, float] = {}
+        self.stopwatch = stopwatch
+        self.kernels = kernels or {}
+        self.stamps: dict[str, tuple[Any, Any]] = {}
 
     def run_node(self, n: fx.Node) -> Any:
         if n.op != "call_function":
             return super().run_node(n)
         args, kwargs = self.fetch_args_kwargs_from_env(n)
-        start = time.perf_counter()
-        out = n.target(*args, **kwargs)
-        self.seconds[n.name] = time.perf_counter() - start
+        start = self.stopwatch.stamp()
+        out = self.kernels.get(n.target, n.target)(*args, **kwargs)
+        self.stamps[n.name] = (start, self.stopwatch.stamp())
         return out
+
+    def seconds(self) -> dict[str, float]:
+        return {name: self.stopwatch.seconds(a, b) for name, (a, b) in self.stamps.items()}
 
 
 def _param_storages(gm: fx.GraphModule) -> tuple[dict[int, str], dict[str, int]]:
@@ -195,12 +204,15 @@ def _param_storages(gm: fx.GraphModule) -> tuple[dict[int, str], dict[str, int]]
 def preserved_training_state(gm: fx.GraphModule) -> Iterator[None]:
     """Profiling runs leave no trace: RNG state, buffers (BatchNorm statistics) and ``.grad`` are restored."""
     rng = torch.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
     buffers = {name: b.detach().clone() for name, b in gm.named_buffers()}
     grads = {p: p.grad for p in gm.parameters()}
     try:
         yield
     finally:
         torch.set_rng_state(rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state_all(cuda_rng)
         with torch.no_grad():
             for name, b in gm.named_buffers():
                 b.copy_(buffers[name])
@@ -214,27 +226,35 @@ def fixed_tensors(gm: fx.GraphModule, flat_args: Sequence[Any]) -> list[torch.Te
     return tensors + [t for t in flat_args if isinstance(t, torch.Tensor)]
 
 
-def profile_graph(captured: CapturedGraph, *, repeats: int = 3) -> GraphProfile:
-    """Run the captured graph once to record storages and saved tensors, then ``repeats`` times to time nodes."""
+def profile_graph(captured: CapturedGraph, *, repeats: int = 3, stopwatch: Stopwatch | None = None,
+                  kernels: Kernels | None = None) -> GraphProfile:
+    """Run the captured graph once to record storages and saved tensors, then time its nodes.
+
+    ``stopwatch`` (default :class:`~planner.timing.WallStopwatch`) says how many runs time the nodes and how their
+    samples combine (the fastest of ``repeats`` after a warm-up on the CPU, the median of CUDA events, one run of
+    the roofline model); ``kernels`` replaces graph targets while profiling (:func:`planner.meta.target_kernels`).
+    """
     gm = captured.graph_module
     flat = flat_call_args(captured, captured.example_args, captured.example_kwargs)
     param_storages, grad_bytes = _param_storages(gm)
+    stopwatch = stopwatch or WallStopwatch()
     timings: dict[str, list[float]] = {}
     with preserved_training_state(gm):
-        interp = ProfilingInterpreter(gm, param_storages)
+        interp = ProfilingInterpreter(gm, param_storages, kernels)
         outputs = interp.run(*flat)
         output_keys = frozenset(k for k in (interp.tracker.key_of(t) for t in tree_leaves(outputs)
                                             if isinstance(t, torch.Tensor)) if k is not None)
         del outputs
-        for _ in range(repeats + 1):
-            timer = _TimingInterpreter(gm)
-            timer.run(*flat)
-            for name, s in timer.seconds.items():
-                timings.setdefault(name, []).append(s)
+        with stopwatch:
+            for counted in stopwatch.runs(repeats):
+                timer = _TimingInterpreter(gm, stopwatch, kernels)
+                timer.run(*flat)
+                if counted:
+                    for name, s in timer.seconds().items():
+                        timings.setdefault(name, []).append(s)
     nodes = []
     for p in interp.profiles:
-        samples = timings.get(p.name, [0.0])
-        seconds = min(samples[1:] if len(samples) > 1 else samples)  # load only adds time
+        seconds = stopwatch.combine(timings.get(p.name, [0.0]))
         nodes.append(NodeProfile(p.name, p.module_path, seconds, p.flops, p.created, p.reads, p.saved,
                                  p.param_reads, p.output_is_view))
     for n in gm.graph.nodes:
@@ -269,12 +289,15 @@ class StageMeasurement:
     backward_seconds: list[float]
     step_seconds: float
     total_peak: int = 0
+    device_peak_bytes: int | None = None  # torch.cuda.max_memory_allocated over the metered step (CUDA only)
+    device_reserved_bytes: int | None = None  # torch.cuda.memory_reserved after it: what the allocator holds
 
 
 class _MarkingInterpreter(fx.Interpreter):
     def __init__(self, gm: fx.GraphModule, stage_of: dict[str, int], on_forward: Callable[[int], None],
-                 on_backward_done: Callable[[int], None]):
+                 on_backward_done: Callable[[int], None], kernels: Kernels | None = None):
         super().__init__(gm)
+        self.kernels = kernels or {}
         self.stage_of = stage_of
         self.on_forward = on_forward
         self.on_backward_done = on_backward_done
@@ -287,6 +310,9 @@ class _MarkingInterpreter(fx.Interpreter):
             self._mark_inputs(stage)
             self.on_forward(stage)
         return super().run_node(n)
+
+    def call_function(self, target, args, kwargs) -> Any:
+        return self.kernels.get(target, target)(*args, **kwargs)
 
     def _mark_inputs(self, stage: int) -> None:
         external = []
@@ -318,18 +344,21 @@ def default_loss(outputs: Any) -> torch.Tensor:
 
 def measure_stages(captured: CapturedGraph, stage_of: dict[str, int], num_stages: int, *,
                    loss_fn: Callable[[Any], torch.Tensor] | None = None, repeats: int = 3,
-                   hold_outputs: bool = True) -> StageMeasurement:
+                   hold_outputs: bool = True, stopwatch: Stopwatch | None = None,
+                   kernels: Kernels | None = None) -> StageMeasurement:
     """Run eager training steps of the captured graph with stage markers; measure memory once and time ``repeats``.
 
     ``hold_outputs``: whether the model's outputs stay referenced through the backward, as in
     ``out = model(x); out.loss.backward()`` (``loss_fn(model(x)).backward()`` lets them go).
+    ``stopwatch`` and ``kernels``: as for :func:`profile_graph`. On CUDA tensors the metered step also reads the
+    caching allocator's peak (``torch.cuda.max_memory_allocated``) and what it reserves.
     """
     gm = captured.graph_module
     flat = flat_call_args(captured, captured.example_args, captured.example_kwargs)
     loss_of = loss_fn or default_loss
 
     def one_step(on_forward, on_backward_start, on_backward_done):
-        interp = _MarkingInterpreter(gm, stage_of, on_forward, on_backward_done)
+        interp = _MarkingInterpreter(gm, stage_of, on_forward, on_backward_done, kernels)
         outputs = interp.run(*flat)
         loss = loss_of(outputs)
         if not hold_outputs:
@@ -340,14 +369,23 @@ def measure_stages(captured: CapturedGraph, stage_of: dict[str, int], num_stages
         for p in gm.parameters():
             p.grad = None
 
+    on_cuda = any(t.is_cuda for t in list(gm.parameters()) + [x for x in flat if isinstance(x, torch.Tensor)])
     with preserved_training_state(gm):
-        return _measure(one_step, num_stages, repeats)
+        return _measure(one_step, num_stages, repeats, stopwatch or WallStopwatch(), on_cuda)
 
 
-def _measure(one_step, num_stages: int, repeats: int) -> StageMeasurement:
+def _measure(one_step, num_stages: int, repeats: int, stopwatch: Stopwatch,
+             on_cuda: bool = False) -> StageMeasurement:
     meter = LiveMemoryMeter()
+    if on_cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
     with meter:
         one_step(lambda k: meter.mark(f"f{k}"), lambda: meter.mark("b"), lambda k: meter.mark(f"d{k}"))
+    device_peak = device_reserved = None
+    if on_cuda:
+        torch.cuda.synchronize()
+        device_peak, device_reserved = torch.cuda.max_memory_allocated(), torch.cuda.memory_reserved()
     forward_peak = [0] * num_stages
     backward_peak = [0] * num_stages
     for seg in meter.segments:
@@ -363,24 +401,28 @@ def _measure(one_step, num_stages: int, repeats: int) -> StageMeasurement:
 
     times: list[list[float]] = [[] for _ in range(num_stages)]
     steps: list[float] = []
-    for _ in range(repeats + 1):
-        stamps: list[tuple[str, int, float]] = []
-        start = time.perf_counter()
-        one_step(lambda k: None, lambda: stamps.append(("b", num_stages, time.perf_counter())),
-                 lambda k: stamps.append(("d", k, time.perf_counter())))
-        end = time.perf_counter()
-        steps.append(end - start)
-        marks = stamps + [("d", 0, end)]
-        per_stage = [0.0] * num_stages
-        for (_, hi, t0), (_, lo, t1) in zip(marks, marks[1:]):
-            covered = list(range(lo, hi)) or [lo]
-            for k in covered:
-                per_stage[k] += (t1 - t0) / len(covered)
-        for k in range(num_stages):
-            times[k].append(per_stage[k])
-    backward_seconds = [min(t[1:]) for t in times]
-    return StageMeasurement(forward_peak, backward_peak, backward_seconds, min(steps[1:]),
-                            total_peak=meter.peak_bytes)
+    with stopwatch:
+        for counted in stopwatch.runs(repeats):
+            stamps: list[tuple[str, int, Any]] = []
+            start = stopwatch.stamp()
+            one_step(lambda k: None, lambda: stamps.append(("b", num_stages, stopwatch.stamp())),
+                     lambda k: stamps.append(("d", k, stopwatch.stamp())))
+            end = stopwatch.stamp()
+            if not counted:
+                continue
+            steps.append(stopwatch.seconds(start, end))
+            marks = stamps + [("d", 0, end)]
+            per_stage = [0.0] * num_stages
+            for (_, hi, t0), (_, lo, t1) in zip(marks, marks[1:]):
+                covered = list(range(lo, hi)) or [lo]
+                for k in covered:
+                    per_stage[k] += stopwatch.seconds(t0, t1) / len(covered)
+            for k in range(num_stages):
+                times[k].append(per_stage[k])
+    backward_seconds = [stopwatch.combine(t) for t in times]
+    return StageMeasurement(forward_peak, backward_peak, backward_seconds, stopwatch.combine(steps),
+                            total_peak=meter.peak_bytes, device_peak_bytes=device_peak,
+                            device_reserved_bytes=device_reserved)
 
 
 

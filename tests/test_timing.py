@@ -1,0 +1,95 @@
+import pytest
+import torch
+
+from planner.devices import DeviceSpec, Precision, device_spec
+from planner.errors import PlannerError
+from planner.timing import (AnalyticClock, AnalyticStopwatch, CudaStopwatch, WallStopwatch, launches_kernel,
+                            precision_of, stopwatch_for)
+
+TOY = DeviceSpec("toy", fp32_flops=1e12, tf32_flops=2e12, half_flops=4e12, memory_bandwidth=1e12,
+                 memory_bytes=2**30, launch_seconds=1e-6)
+
+
+def _clocked(fn):
+    clock = AnalyticClock(TOY)
+    with clock:
+        fn()
+    return clock
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_a_matmul_costs_its_flops_at_peak(device):
+    a = torch.empty(512, 1024, device=device)
+    b = torch.empty(1024, 256, device=device)
+    clock = _clocked(lambda: a @ b)
+    assert clock.kernels == 1
+    assert clock.seconds == pytest.approx(2 * 512 * 1024 * 256 / 1e12 + 1e-6)
+    half = _clocked(lambda: a.bfloat16() @ b.bfloat16())  # two conversions (memory bound) and a 4x faster matmul
+    convert = (512 * 1024 + 1024 * 256) * (4 + 2) / 1e12 + 2e-6
+    assert half.seconds == pytest.approx(2 * 512 * 1024 * 256 / 4e12 + 1e-6 + convert)
+
+
+def test_memory_bound_ops_cost_bytes_read_and_written_and_views_cost_nothing():
+    x = torch.empty(1000, 1000, device="meta")
+    clock = _clocked(lambda: (x.t(), x.reshape(-1)[:10], x.view(10, -1), x.detach(), torch.empty_like(x)))
+    assert clock.kernels == 0 and clock.seconds == 0.0
+    assert _clocked(lambda: x.t().reshape(-1)).kernels == 1  # a reshape that must copy is a kernel
+    clock = _clocked(lambda: x + x)
+    assert clock.seconds == pytest.approx(8e6 / 1e12 + 1e-6)  # reads x once (the same tensor), writes 4 MB
+    y = torch.empty(1000, 1000, device="meta")
+    assert _clocked(lambda: x.add_(y)).seconds == pytest.approx(12e6 / 1e12 + 1e-6)
+
+
+def test_precision_follows_dtype_and_torch_tf32_switches():
+    mm = torch.ops.aten.mm.default
+    x32, x16 = torch.empty(2, 2, device="meta"), torch.empty(2, 2, device="meta", dtype=torch.float16)
+    assert precision_of(mm, [x16]) is Precision.HALF
+    before = torch.backends.cuda.matmul.allow_tf32
+    try:
+        torch.backends.cuda.matmul.allow_tf32 = False
+        assert precision_of(mm, [x32]) is Precision.FP32
+        torch.backends.cuda.matmul.allow_tf32 = True
+        assert precision_of(mm, [x32]) is Precision.TF32
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = before
+    assert launches_kernel(torch.ops.aten.empty.memory_format, [], [x32]) is False
+
+
+def test_analytic_stopwatch_measures_between_stamps_in_one_run():
+    watch = AnalyticStopwatch(TOY)
+    a = torch.empty(100, 100, device="meta")
+    with watch:
+        t0 = watch.stamp()
+        a.exp()
+        t1 = watch.stamp()
+        a @ a
+        t2 = watch.stamp()
+    assert watch.seconds(t0, t1) == pytest.approx(8e4 / 1e12 + 1e-6)
+    assert watch.seconds(t1, t2) == pytest.approx(2e6 / 1e12 + 1e-6)
+    assert watch.runs(5) == [True] and watch.name == "analytic:toy"
+
+
+def test_stopwatch_choice():
+    assert isinstance(stopwatch_for("cpu", None), WallStopwatch)
+    assert isinstance(stopwatch_for("cuda", None), CudaStopwatch)
+    assert isinstance(stopwatch_for("cpu", device_spec("a100")), AnalyticStopwatch)
+    with pytest.raises(PlannerError, match="pass device="):
+        stopwatch_for("meta", None)
+    wall = WallStopwatch()
+    assert wall.runs(3) == [False, True, True, True] and wall.runs(0) == [True]
+    assert CudaStopwatch().combine([5.0, 1.0, 2.0, 100.0, 3.0]) == 3.0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_events_time_kernels_where_they_run():
+    watch = CudaStopwatch()
+    a = torch.randn(4096, 4096, device="cuda")
+    a @ a  # warm-up
+    start = watch.stamp()
+    for _ in range(10):
+        a @ a
+    end = watch.stamp()
+    seconds = watch.seconds(start, end)
+    assert 0 < seconds < 10
+    flops = 10 * 2 * 4096**3
+    assert flops / seconds < 2e15  # no GPU runs fp32 this fast: the events saw the kernels, not their launch
