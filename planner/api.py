@@ -16,18 +16,23 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 
 from .budget import Budget, format_bytes, parse_budget
-from .capture import CapturedGraph, capture, input_signature
+from .capture import CapturedGraph, autocast_state, capture, input_signature, mutated_nodes
+from .devices import DeviceSpec, device_spec
+from .meta import device_type_of, target_kernels
+from .timing import AnalyticStopwatch, stopwatch_for
 from .costmodel import add_checkpoint_overheads, build_problem, calibrate, is_random, partition_stages, spread
 from .errors import InfeasibleBudgetError, PlannerError
-from .plan import Plan, SolverStatus
+from .plan import Plan, SolverStatus, budget_for_usable, usable_bytes
 from .problem import Problem, Region, Schedule, simulate
-from .profile import default_loss, measure_stages, fastest_step_seconds, preserved_training_state, profile_graph
+from .profile import StageMeasurement, default_loss, measure_stages, fastest_step_seconds, preserved_training_state, profile_graph
+from .parts import PartialCaptureWarning, ReducedBudget, capturable_parts, parts_planned, record_calls
 from .rewrite import apply_plan
 from . import solvers
 
@@ -69,14 +74,21 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer | None) -> int:
     return copies * sum(p.numel() * 4 for p in params.values())
 
 
-def fingerprint(captured: CapturedGraph) -> str:
-    """A short hash of the graph's nodes, the parameters' shapes and the input signature."""
+def fingerprint(captured: CapturedGraph, *, as_device: str | None = None) -> str:
+    """A short hash of the graph's nodes, the parameters' shapes and the input signature.
+
+    ``as_device`` hashes the inputs as if they were on that device type: a plan made on the meta device
+    (``as_device="meta"``) matches the same model and shapes on a GPU.
+    """
     digest = hashlib.sha256()
     for n in captured.graph_module.graph.nodes:
         digest.update(f"{n.op}|{n.name}|{n.target}\n".encode())
     for name, p in captured.graph_module.named_parameters():
         digest.update(f"{name}|{tuple(p.shape)}|{p.dtype}\n".encode())
-    digest.update(repr(captured.input_signature).encode())
+    spec, described = captured.input_signature
+    if as_device is not None:
+        described = tuple((*d[:3], as_device, *d[4:]) if d[0] == "tensor" else d for d in described)
+    digest.update(repr((spec, described)).encode())
     return digest.hexdigest()[:16]
 
 
@@ -92,27 +104,57 @@ def _device_of(model: torch.nn.Module) -> str:
     return first.device.type if first is not None else "cpu"
 
 
+@dataclass(frozen=True)
+class Posed:
+    """A planning problem and where its numbers came from: ``timing`` names the stopwatch ("wall_clock",
+    "cuda_events", "analytic:h100"), ``measured`` the eager step's stage measurements."""
+
+    problem: Problem
+    stage_nodes: tuple[tuple[str, ...], ...]
+    timing: str
+    measured: StageMeasurement
+
+
 def pose_problem(captured: CapturedGraph, *, loss_fn: Callable | None = None, optimizer=None,
-                 max_stages: int = 64, profile_repeats: int = 3,
-                 hold_outputs: bool = True) -> tuple[Problem, tuple[tuple[str, ...], ...]]:
+                 max_stages: int = 64, profile_repeats: int = 3, hold_outputs: bool = True,
+                 device: str | DeviceSpec | None = None) -> tuple[Problem, tuple[tuple[str, ...], ...]]:
     """Profile ``captured`` and pose the planning problem; also returns the node names of each stage."""
-    profile = profile_graph(captured, repeats=profile_repeats)
+    posed = pose(captured, loss_fn=loss_fn, optimizer=optimizer, max_stages=max_stages,
+                 profile_repeats=profile_repeats, hold_outputs=hold_outputs, device=device)
+    return posed.problem, posed.stage_nodes
+
+
+def captured_device_type(captured: CapturedGraph) -> str:
+    """The device type ("cpu", "cuda", "meta") of the captured module's tensors and example inputs."""
+    return device_type_of(captured.graph_module, (captured.example_args, captured.example_kwargs))
+
+
+def pose(captured: CapturedGraph, *, loss_fn: Callable | None = None, optimizer=None, max_stages: int = 64,
+         profile_repeats: int = 3, hold_outputs: bool = True, device: str | DeviceSpec | None = None) -> Posed:
+    """Profile ``captured`` and pose the planning problem, timed for ``device`` (a name or a
+    :class:`~planner.devices.DeviceSpec`: analytic times) or, without it, measured where the tensors are."""
+    spec = device_spec(device) if device is not None else None
+    device_type = captured_device_type(captured)
+    stopwatch = stopwatch_for(device_type, spec)
+    kernels = target_kernels(device_type, spec)
+    profile = profile_graph(captured, repeats=profile_repeats, stopwatch=stopwatch, kernels=kernels)
     stages = partition_stages(profile, max_stages=max_stages)
-    random_nodes = {n.name for n in captured.compute_nodes() if is_random(n)}
+    # never cached: random ops (the recomputation must draw the same numbers) and outputs later written in place
+    random_nodes = {n.name for n in captured.compute_nodes() if is_random(n)} | mutated_nodes(captured.graph_module)
     problem = build_problem(profile, stages, random_nodes=random_nodes,
                             extra_fixed_bytes=optimizer_state_bytes(optimizer),
                             name=type(captured.graph_module).__name__, hold_outputs=hold_outputs)
     stage_of = {node: i for i, spec in enumerate(stages) for node in spec.nodes}
     try:
         measured = measure_stages(captured, stage_of, len(stages), loss_fn=loss_fn, repeats=profile_repeats,
-                                  hold_outputs=hold_outputs)
+                                  hold_outputs=hold_outputs, stopwatch=stopwatch, kernels=kernels)
     except ValueError as exc:
         raise PlannerError(str(exc), hint="pass loss_fn= that turns the model's output into a scalar loss") from exc
-    stage_nodes = tuple(spec.nodes for spec in stages)
+    stage_nodes = tuple(s.nodes for s in stages)
     problem = calibrate(problem, measured)
-    if profile_repeats > 0:
+    if profile_repeats > 0 and not isinstance(stopwatch, AnalyticStopwatch):  # the roofline has no hook costs
         problem = _calibrate_checkpoint_overheads(captured, problem, stage_nodes, loss_fn, profile_repeats)
-    return problem, stage_nodes
+    return Posed(problem, stage_nodes, stopwatch.name, measured)
 
 
 def _calibrate_checkpoint_overheads(captured: CapturedGraph, problem: Problem, stage_nodes, loss_fn,
@@ -129,11 +171,18 @@ def _calibrate_checkpoint_overheads(captured: CapturedGraph, problem: Problem, s
         modules[name] = planned_module(captured, plan, stage_nodes)
     args, kwargs, loss_of = captured.example_args, captured.example_kwargs, loss_fn or default_loss
 
+    on_cuda = captured_device_type(captured) == "cuda"
+
     def step(module):
         def run():
-            loss_of(module(*args, **kwargs)).backward()
+            torch.clear_autocast_cache()  # as a training step under autocast: casts made afresh, freed after
+            loss = loss_of(module(*args, **kwargs))
+            torch.clear_autocast_cache()
+            loss.backward()
             for p in captured.graph_module.parameters():
                 p.grad = None
+            if on_cuda:
+                torch.cuda.synchronize()  # time the kernels, not their launches
         return run
 
     with preserved_training_state(captured.graph_module):
@@ -148,29 +197,90 @@ def _calibrate_checkpoint_overheads(captured: CapturedGraph, problem: Problem, s
     return add_checkpoint_overheads(problem, hooks, spread(selective_total, ops))
 
 
-def _in_context(model: torch.nn.Module, budget: Budget, error: InfeasibleBudgetError) -> InfeasibleBudgetError:
+def _in_context(model: torch.nn.Module, budget: Budget, error: InfeasibleBudgetError,
+                margin: float = 0.0) -> InfeasibleBudgetError:
     """The solver's error, re-raised with what the user asked for (the model and the budget as written)."""
     minimum = error.minimum_budget_bytes
+    if minimum is not None and margin:
+        minimum = budget_for_usable(minimum, margin)  # the budget whose usable part is the minimum
+    left = f" with {margin:.0%} left to the allocator" if margin else ""
     return InfeasibleBudgetError(
-        f"planning {type(model).__name__} for budget {budget.text!r}: {error.message}",
-        hint=f"use a budget of at least {format_bytes(minimum or 0)} ({minimum} bytes)",
+        f"planning {type(model).__name__} for budget {budget.text!r}{left}: {error.message}",
+        hint=f"use a budget of at least {format_bytes(minimum or 0)} ({minimum} bytes)"
+             + (" or a smaller allocator_margin" if margin else ""),
         minimum_budget_bytes=minimum)
 
 
+DEFAULT_CUDA_MARGIN = 0.05
+
+
+def allocator_margin_for(margin: float | None, device: DeviceSpec | None, device_type: str) -> float:
+    """The allocator margin to plan with: ``margin`` when given, else 5% when planning for a GPU (``device`` given
+    or tensors on CUDA: the caching allocator rounds and fragments, and the CUDA context takes its share) and 0 for
+    the CPU, where the live-storage meter is the measure.
+
+    >>> [allocator_margin_for(None, None, "cpu"), allocator_margin_for(None, None, "cuda")]
+    [0.0, 0.05]
+    """
+    if margin is None:
+        return DEFAULT_CUDA_MARGIN if device is not None or device_type == "cuda" else 0.0
+    if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 <= margin < 1:
+        raise PlannerError(f"allocator_margin {margin!r} is not a share in [0, 1)",
+                           hint="write e.g. allocator_margin=0.05 to plan for 95% of the budget, or 0 for all of it")
+    return float(margin)
+
+
+def device_budget(budget: int | str | Budget | None, device: DeviceSpec | None, device_type: str) -> Budget:
+    """``budget`` parsed; ``None`` means the whole memory of the device planned for (or of the current GPU).
+
+    >>> from planner.devices import device_spec
+    >>> device_budget(None, device_spec("a100"), "meta")
+    Budget(text='a100 memory', absolute_bytes=85899345920, fraction_of_eager=None)
+    """
+    if budget is not None:
+        return parse_budget(budget)
+    if device is not None:
+        return Budget(text=f"{device.name} memory", absolute_bytes=device.memory_bytes)
+    if device_type == "cuda":
+        return Budget(text="GPU memory", absolute_bytes=torch.cuda.get_device_properties(
+            torch.cuda.current_device()).total_memory)
+    raise PlannerError(f"budget=None means all of the device's memory, but a {device_type} model has no fixed amount",
+                       hint="pass a budget such as '8GB' or '60%', or device='h100' to plan for that GPU's memory")
+
+
+def _check_fits(budget: Budget, budget_bytes: int, device: DeviceSpec | None) -> None:
+    if device is not None and budget_bytes > device.memory_bytes:
+        raise PlannerError(f"budget {budget.text!r} ({format_bytes(budget_bytes)}) is more than {device.name} holds "
+                           f"({format_bytes(device.memory_bytes)})",
+                           hint=f"use at most {device.memory_bytes} bytes, or budget=None for all of it")
+
+
 def _plan_captured(model, captured: CapturedGraph, budget, *, loss_fn, optimizer, solver: str, max_stages: int,
-                   profile_repeats: int, solver_options: dict | None, hold_outputs: bool = True) -> Planned:
-    parsed = parse_budget(budget)
-    problem, stage_nodes = pose_problem(captured, loss_fn=loss_fn, optimizer=optimizer, max_stages=max_stages,
-                                        profile_repeats=profile_repeats, hold_outputs=hold_outputs)
+                   profile_repeats: int, solver_options: dict | None, hold_outputs: bool = True,
+                   device: str | DeviceSpec | None = None, allocator_margin: float | None = None,
+                   posed: Posed | None = None) -> Planned:
+    spec = device_spec(device) if device is not None else None
+    device_type = captured_device_type(captured)
+    parsed = device_budget(budget, spec, device_type)
+    margin = allocator_margin_for(allocator_margin, spec, device_type)
+    posed = posed or pose(captured, loss_fn=loss_fn, optimizer=optimizer, max_stages=max_stages,
+                          profile_repeats=profile_repeats, hold_outputs=hold_outputs, device=spec)
+    problem = posed.problem
     eager = simulate(problem, Schedule.store_all(problem.num_stages)).peak_bytes
     budget_bytes = parsed.resolve(eager)
+    _check_fits(parsed, budget_bytes, spec)
     try:
-        result = solvers.solve(problem, budget_bytes, method=solver, **(solver_options or {}))
+        result = solvers.solve(problem, usable_bytes(budget_bytes, margin), method=solver, **(solver_options or {}))
     except InfeasibleBudgetError as exc:
-        raise _in_context(model, parsed, exc) from None
+        raise _in_context(model, parsed, exc, margin) from None
+    measured = posed.measured
+    extra = tuple((k, v) for k, v in (("measured_device_peak_bytes", measured.device_peak_bytes),
+                                      ("measured_device_reserved_bytes", measured.device_reserved_bytes))
+                  if v is not None)
     result = dataclasses.replace(result, budget_bytes=budget_bytes, budget_text=parsed.text,
-                                 stage_nodes=stage_nodes, fingerprint=fingerprint(captured),
-                                 torch_version=torch.__version__, device=_device_of(model))
+                                 stage_nodes=posed.stage_nodes, fingerprint=fingerprint(captured),
+                                 torch_version=torch.__version__, device=_device_of(model), timing=posed.timing,
+                                 allocator_margin=margin, extra=result.extra + extra)
     return Planned(captured, problem, result)
 
 
@@ -180,25 +290,46 @@ def _as_args(example_inputs: Any) -> tuple:
     return example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
 
 
-def plan(model: torch.nn.Module, budget: int | str, example_inputs: Any = None, *,
+def plan(model: torch.nn.Module, budget: int | str | None, example_inputs: Any = None, *,
          example_kwargs: dict | None = None, optimizer: torch.optim.Optimizer | None = None, solver: str = "auto",
          loss_fn: Callable | None = None, max_stages: int = 64, profile_repeats: int = 3,
-         solver_options: dict | None = None, hold_outputs: bool = True) -> Plan:
-    """Plan ``model`` under ``budget`` without rewriting it; see :func:`optimize` for the arguments."""
+         solver_options: dict | None = None, hold_outputs: bool = True, device: str | DeviceSpec | None = None,
+         allocator_margin: float | None = None) -> Plan:
+    """Plan ``model`` under ``budget`` without rewriting it; see :func:`optimize` for the arguments.
+
+    A model built under ``with torch.device("meta"):`` (inputs made with ``device="meta"``) is planned without
+    allocating anything; give ``device=`` the GPU to plan for. The plan applies to the real model with
+    :func:`apply`.
+    """
     if example_inputs is None and not example_kwargs:
         raise PlannerError("planner.plan needs example inputs",
                            hint="pass example_inputs=(batch,) with the inputs of one training step")
+    device_type_of(model, (example_inputs, example_kwargs))  # one device, or say how to get there
     captured = capture(model, _as_args(example_inputs), example_kwargs)
     return _plan_captured(model, captured, budget, loss_fn=loss_fn, optimizer=optimizer, solver=solver,
                           max_stages=max_stages, profile_repeats=profile_repeats,
-                          solver_options=solver_options, hold_outputs=hold_outputs).plan
+                          solver_options=solver_options, hold_outputs=hold_outputs, device=device,
+                          allocator_margin=allocator_margin).plan
+
+
+def _swapped_tensors(model: torch.nn.Module, planned: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The model's parameters and buffers by name when any is no longer the tensor the plan captured (as when
+    ``fully_shard`` swaps in all-gathered parameters for the forward); empty when all are the same."""
+    live = dict(model.named_parameters(remove_duplicate=False))
+    live.update(model.named_buffers(remove_duplicate=False))
+    captured = dict(planned.named_parameters(remove_duplicate=False))
+    captured.update(planned.named_buffers(remove_duplicate=False))
+    if all(live.get(name) is tensor for name, tensor in captured.items()):
+        return {}
+    return {name: live[name] for name in captured if name in live}
 
 
 class OptimizedModule(torch.nn.Module):
     """Runs ``model`` under a plan; holds the caller's own module (and so its ``Parameter`` objects).
 
-    Plans are cached per input signature (shapes, dtypes, non-tensor arguments); a new signature is planned on
-    first use, like ``torch.compile``. Outside training (``eval()`` or ``torch.no_grad()``) the model runs as is.
+    Plans are cached per input signature (shapes, dtypes, non-tensor arguments) and autocast state; a new one is
+    planned on first use, like ``torch.compile``: called under ``torch.autocast``, the model is profiled and
+    planned in that precision. Outside training (``eval()`` or ``torch.no_grad()``) the model runs as is.
     """
 
     def __init__(self, model: torch.nn.Module, budget: int | str, *, planner_options: dict):
@@ -208,10 +339,19 @@ class OptimizedModule(torch.nn.Module):
         self._options = planner_options
         self._planned: dict[tuple, tuple[Planned, torch.nn.Module]] = {}
         self._last: Planned | None = None
+        self._parts: dict[str, OptimizedModule] | None = None  # set when the model captures only in parts
+
+    @property
+    def parts(self) -> dict[str, "OptimizedModule"]:
+        """When the model does not capture as a whole: its planned submodules by path (else empty)."""
+        return dict(self._parts or {})
 
     @property
     def plan(self) -> Plan:
         """The plan used by the most recent call (or made from the example inputs)."""
+        if self._last is None and self._parts:
+            raise PlannerError(f"{type(self.model).__name__} was planned in parts, one plan each",
+                               hint=f"see .parts[path].plan for {', '.join(self._parts)}")
         if self._last is None:
             raise PlannerError("no plan yet: this module plans on its first training call",
                                hint="call it once with real inputs, or pass example_inputs to optimize()")
@@ -226,41 +366,95 @@ class OptimizedModule(torch.nn.Module):
     @property
     def code(self) -> str:
         """The generated code of the current plan's module: where each checkpoint region starts and ends."""
-        return self._planned[self._last.captured.input_signature][1].code if self._last else ""
+        return self._planned[self._last.captured.key][1].code if self._last else ""
 
     def add_plan(self, planned: Planned) -> None:
         module = apply_plan(planned.captured.graph_module, planned.plan)
-        self._planned[planned.captured.input_signature] = (planned, module)
+        self._planned[planned.captured.key] = (planned, module)
         self._last = planned
 
     def _plan_for(self, args: tuple, kwargs: dict) -> None:
-        captured = capture(self.model, args, kwargs)
+        device_type_of(self.model, (args, kwargs))  # one device, or say how to get there
+        try:
+            captured = capture(self.model, args, kwargs)
+        except PlannerError as error:
+            self._parts = self._plan_parts(args, kwargs, error)
+            return
         self.add_plan(_plan_captured(self.model, captured, self.budget, **self._options))
+
+    def _plan_parts(self, args: tuple, kwargs: dict, error: PlannerError) -> dict[str, "OptimizedModule"]:
+        """Plan the largest submodules that capture (see :mod:`planner.parts`); re-raise ``error`` when none does."""
+        options = self._options
+        try:
+            recorded = record_calls(self.model, args, kwargs, loss_fn=options["loss_fn"],
+                                    extra_fixed_bytes=optimizer_state_bytes(options["optimizer"]))
+        except Exception:
+            raise error from None  # the inputs do not fit the model at all
+        found = capturable_parts(self.model, recorded.calls)
+        if not found:
+            raise error
+        whole = parse_budget(self.budget)
+        budget_bytes = whole.resolve(recorded.eager_peak_bytes)
+        shed = max(0, recorded.eager_peak_bytes - budget_bytes)
+        part_options = {**options, "loss_fn": None, "hold_outputs": True}  # the rest of the model holds outputs
+        pose_options = {k: part_options[k] for k in ("loss_fn", "optimizer", "max_stages", "profile_repeats",
+                                                     "hold_outputs")}
+        posed = {path: pose(captured, **pose_options) for path, captured in found.items()}
+        can_shed = {path: simulate(p.problem, Schedule.store_all(p.problem.num_stages)).peak_bytes
+                    - solvers.minimum_peak(p.problem) for path, p in posed.items()}  # the most each part saves
+        if sum(can_shed.values()) < shed:
+            smallest = recorded.eager_peak_bytes - sum(can_shed.values())
+            raise InfeasibleBudgetError(
+                f"planning {type(self.model).__name__} in parts ({', '.join(found)}) for budget {whole.text!r}: "
+                f"the parts can shed {format_bytes(sum(can_shed.values()))} of the eager peak "
+                f"{format_bytes(recorded.eager_peak_bytes)}, the budget needs {format_bytes(shed)} shed",
+                hint=f"use a budget of at least {format_bytes(smallest)} ({smallest} bytes)",
+                minimum_budget_bytes=smallest)
+        parts = {}
+        for path, captured in found.items():  # the saving is shared out in proportion to what each part can shed
+            share = round(shed * can_shed[path] / max(1, sum(can_shed.values())))
+            module = self.model.get_submodule(path)
+            part = OptimizedModule(module, ReducedBudget(f"{whole.text}, shedding {share} bytes here",
+                                                         reduce_bytes=share), planner_options=part_options)
+            part.add_plan(_plan_captured(module, captured, part.budget, posed=posed[path], **part_options))
+            parts[path] = part
+        warnings.warn(PartialCaptureWarning(
+            f"{type(self.model).__name__} does not capture as a whole ({error.message}); planned its parts "
+            f"{', '.join(parts)} to shed {format_bytes(shed)} together, and runs the rest eagerly"), stacklevel=4)
+        return parts
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if not (self.training and torch.is_grad_enabled()):
             return self.model(*args, **kwargs)
-        signature = input_signature(args, kwargs)
-        if signature not in self._planned:
+        if self._parts is not None:
+            with parts_planned(self.model, self._parts):
+                return self.model(*args, **kwargs)
+        key = (input_signature(args, kwargs), autocast_state())
+        if key not in self._planned:
             self._plan_for(args, kwargs)
-        planned, module = self._planned[signature]
+        planned, module = self._planned[key]
         self._last = planned
+        swapped = _swapped_tensors(self.model, module)
+        if swapped:  # FSDP2 and the like put other tensors in the model's parameters: run on those
+            return torch.func.functional_call(module, swapped, args, kwargs, strict=False)
         return module(*args, **kwargs)
 
     def _apply(self, fn, recurse=True):
-        self._planned.clear()  # plans were profiled for the old device or dtype
-        self._last = None
+        for optimized in (self, *(self._parts or {}).values()):
+            optimized._planned.clear()  # plans were profiled for the old device or dtype
+            optimized._last = None
         return super()._apply(fn, recurse)
 
     def extra_repr(self) -> str:
         return f"budget={self.budget!r}, plans={len(self._planned)}"
 
 
-def optimize(model: torch.nn.Module, budget: int | str, example_inputs: Any = None, *,
+def optimize(model: torch.nn.Module, budget: int | str | None, example_inputs: Any = None, *,
              example_kwargs: dict | None = None, optimizer: torch.optim.Optimizer | None = None,
              solver: str = "auto", loss_fn: Callable | None = None, max_stages: int = 64,
              profile_repeats: int = 3, solver_options: dict | None = None,
-             hold_outputs: bool = True) -> OptimizedModule:
+             hold_outputs: bool = True, device: str | DeviceSpec | None = None,
+             allocator_margin: float | None = None) -> OptimizedModule:
     """Return a module that trains ``model``'s own parameters within ``budget`` with the least recomputation.
 
     Parameters
@@ -280,27 +474,45 @@ def optimize(model: torch.nn.Module, budget: int | str, example_inputs: Any = No
         and options for the solver (``time_limit``, ``gap``).
     hold_outputs : whether your loop keeps the model's output alive through the backward
         (``out = model(x); out.loss.backward()`` does, ``loss_fn(model(x)).backward()`` does not).
+    device : the GPU to plan for, by name (``"h100"``, ``"h200"``, ``"a100"``, ``"l4"``, ``"rtx4090"``) or a
+        :class:`~planner.devices.DeviceSpec`: times then come from its roofline model instead of measurement, which
+        is how a model on the meta device is planned. ``budget=None`` then means all of its memory.
+    allocator_margin : the share of the budget left free for the CUDA caching allocator's rounding and
+        fragmentation: the plan fits ``budget * (1 - allocator_margin)``. Default 0.05 when planning for a GPU
+        (``device`` given or the model on CUDA), 0 on the CPU. Recorded in the plan.
     """
     options = dict(loss_fn=loss_fn, optimizer=optimizer, solver=solver, max_stages=max_stages,
-                   profile_repeats=profile_repeats, solver_options=solver_options, hold_outputs=hold_outputs)
-    parse_budget(budget)  # fail early on a malformed budget
+                   profile_repeats=profile_repeats, solver_options=solver_options, hold_outputs=hold_outputs,
+                   device=device, allocator_margin=allocator_margin)
+    if budget is not None:
+        parse_budget(budget)  # fail early on a malformed budget
     optimized = OptimizedModule(model, budget, planner_options=options)
     if example_inputs is not None or example_kwargs:
-        captured = capture(model, _as_args(example_inputs), example_kwargs)
-        optimized.add_plan(_plan_captured(model, captured, budget, **options))
+        optimized._plan_for(_as_args(example_inputs), dict(example_kwargs or {}))
     return optimized
+
+
+def _replannable_budget(plan: Plan) -> int | str:
+    """The budget to plan new input shapes under: as the plan's user wrote it, else its bytes."""
+    if plan.budget_text:
+        try:
+            parse_budget(plan.budget_text)
+            return plan.budget_text
+        except PlannerError:
+            pass
+    return plan.budget_bytes or "100%"
 
 
 def apply(model: torch.nn.Module, plan: Plan, example_inputs: Any = None, *,
           example_kwargs: dict | None = None) -> OptimizedModule:
     """Turn a saved ``plan`` into a module for ``model``; the model and input shapes must match the plan's."""
     captured = capture(model, _as_args(example_inputs), example_kwargs)
-    found = fingerprint(captured)
+    found = fingerprint(captured, as_device="meta" if plan.device == "meta" else None)  # meta plans fit any device
     if plan.fingerprint and found != plan.fingerprint:
         raise PlannerError(f"the plan was made for fingerprint {plan.fingerprint}, but this model with these "
                            f"inputs has {found}: the model's graph, parameter shapes or input shapes differ",
                            hint="re-plan with planner.plan(model, budget, example_inputs)")
-    optimized = OptimizedModule(model, plan.budget_text or plan.budget_bytes or "100%",
+    optimized = OptimizedModule(model, _replannable_budget(plan),
                                 planner_options=dict(loss_fn=None, optimizer=None, solver=plan.solver,
                                                      max_stages=64, profile_repeats=3, solver_options=None))
     optimized.add_plan(Planned(captured, None, plan))

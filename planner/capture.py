@@ -34,6 +34,12 @@ class CapturedGraph:
     example_args: tuple
     example_kwargs: dict
     input_signature: tuple
+    autocast: tuple = ()
+
+    @property
+    def key(self) -> tuple:
+        """What plans are cached under: the input signature and the autocast state it was profiled in."""
+        return (self.input_signature, self.autocast)
 
     def compute_nodes(self) -> Iterator[fx.Node]:
         """Nodes that compute (``call_function``), in execution order."""
@@ -54,6 +60,43 @@ def module_path(node: fx.Node) -> str:
     return list(stack.values())[-1][0]
 
 
+def _aliases_input(node: fx.Node) -> bool:
+    schema = getattr(node.target, "_schema", None)
+    return schema is not None and any(r.alias_info is not None for r in schema.returns)
+
+
+def mutated_nodes(graph_module: fx.GraphModule) -> frozenset[str]:
+    """Nodes whose output a later in-place op writes to (directly or through views): caching one of them in a
+    selective checkpoint would hand the backward a value that has since changed.
+
+    >>> import torch
+    >>> class M(torch.nn.Module):
+    ...     def forward(self, x):
+    ...         h = x * 2
+    ...         h.relu_()
+    ...         return h + 1
+    >>> sorted(mutated_nodes(capture(M(), (torch.randn(3),)).graph_module))
+    ['mul', 'relu_']
+    """
+    base: dict[fx.Node, fx.Node] = {}
+    written: set[fx.Node] = set()
+    for n in graph_module.graph.nodes:
+        if n.op != "call_function":
+            continue
+        first = n.args[0] if n.args and isinstance(n.args[0], fx.Node) else None
+        if first is not None and _aliases_input(n):
+            base[n] = base.get(first, first)
+        schema = getattr(n.target, "_schema", None)
+        if schema is None:
+            continue
+        for i, argument in enumerate(schema.arguments):
+            value = n.args[i] if i < len(n.args) else n.kwargs.get(argument.name)
+            if isinstance(value, fx.Node) and argument.alias_info is not None and argument.alias_info.is_write:
+                written.add(base.get(value, value))
+    return frozenset(n.name for n in graph_module.graph.nodes
+                     if n.op == "call_function" and base.get(n, n) in written)
+
+
 def input_signature(args: tuple, kwargs: dict) -> tuple:
     """Shapes, dtypes and devices of tensor inputs, and values of the others: the key plans are cached under."""
     leaves, spec = tree_flatten((args, kwargs))
@@ -62,6 +105,20 @@ def input_signature(args: tuple, kwargs: dict) -> tuple:
         if isinstance(x, torch.Tensor) else ("value", repr(x))
         for x in leaves)
     return (str(spec), described)
+
+
+def autocast_state() -> tuple:
+    """The devices autocast is on for and their dtypes: a plan is profiled, and runs, in one precision.
+
+    >>> import torch
+    >>> autocast_state()
+    ()
+    >>> with torch.autocast("cpu", dtype=torch.bfloat16):
+    ...     autocast_state()
+    (('cpu', 'torch.bfloat16'),)
+    """
+    return tuple((device, str(torch.get_autocast_dtype(device))) for device in ("cpu", "cuda")
+                 if torch.is_autocast_enabled(device))
 
 
 def capture(model: torch.nn.Module, example_args: tuple, example_kwargs: dict | None = None) -> CapturedGraph:
@@ -89,7 +146,7 @@ def capture(model: torch.nn.Module, example_args: tuple, example_kwargs: dict | 
         ) from exc
     finally:
         model.train(was_training)
-    return CapturedGraph(exported.module(), args, kwargs, input_signature(args, kwargs))
+    return CapturedGraph(exported.module(), args, kwargs, input_signature(args, kwargs), autocast_state())
 
 
 def flat_call_args(captured: CapturedGraph, args: tuple, kwargs: dict) -> list[Any]:

@@ -358,12 +358,14 @@ def measure_stages(captured: CapturedGraph, stage_of: dict[str, int], num_stages
     loss_of = loss_fn or default_loss
 
     def one_step(on_forward, on_backward_start, on_backward_done):
+        torch.clear_autocast_cache()  # under autocast, a training step casts the weights afresh...
         interp = _MarkingInterpreter(gm, stage_of, on_forward, on_backward_done, kernels)
         outputs = interp.run(*flat)
         loss = loss_of(outputs)
         if not hold_outputs:
             del outputs
             interp.env.clear()
+        torch.clear_autocast_cache()  # ...and leaves the autocast block before its backward
         on_backward_start()
         loss.backward()
         for p in gm.parameters():

@@ -35,11 +35,13 @@ def _flag(name: str) -> bool:
 
 def planner_cache_on() -> None:
     """Outputs of the ops that follow are cached by selective checkpointing (until :func:`planner_cache_off`)."""
-    _STATE.caching = True
+    if not torch.compiler.is_compiling():
+        _STATE.caching = True
 
 
 def planner_cache_off() -> None:
-    _STATE.caching = False
+    if not torch.compiler.is_compiling():
+        _STATE.caching = False
 
 
 def _returns_view(op) -> bool:
@@ -56,7 +58,7 @@ def _cache_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
 
 def planner_batch_norm(input, weight, bias, running_mean, running_var, training, momentum, eps, cudnn_enabled):
     """``aten.batch_norm`` that leaves running statistics untouched while a region is being recomputed."""
-    if training and _flag("recomputing"):
+    if training and not torch.compiler.is_compiling() and _flag("recomputing"):
         momentum = 0.0
     return torch.ops.aten.batch_norm.default(input, weight, bias, running_mean, running_var, training, momentum,
                                              eps, cudnn_enabled)
@@ -90,6 +92,11 @@ class CheckpointRegion(torch.nn.Module):
         return forward, _recomputing(recompute)
 
     def forward(self, *args: Any) -> Any:
+        if torch.compiler.is_compiling():
+            # torch.compile traces the region as one checkpoint (its partitioner decides what to keep inside);
+            # the selective-caching brackets are Python side effects it cannot follow, so the region recomputes
+            # everything: never more memory than the plan, possibly more recomputation
+            return checkpoint(self.body, *args, use_reentrant=False, preserve_rng_state=True)
         try:
             # early_stop=False: the recomputation runs to the end of the region, so it consumes every cached
             # value (an early stop would leave cache entries alive through the region's backward).
@@ -105,11 +112,23 @@ class CheckpointRegion(torch.nn.Module):
 
 
 def _is_hoisted(node: fx.Node) -> bool:
-    """In-place updates of buffers with no users (``num_batches_tracked.add_(1)``): run once, outside regions."""
+    """In-place updates of buffers or inputs (``num_batches_tracked.add_(1)``, ``self.steps += 1``) and other
+    mutations nothing reads: run once, outside regions, as the recomputation must not repeat them."""
     target = node.target
     schema = getattr(target, "_schema", None)
-    return (schema is not None and schema.is_mutable and not node.users
-            and target is not torch.ops.aten.batch_norm.default)
+    if schema is None or not schema.is_mutable or target is torch.ops.aten.batch_norm.default:
+        return False
+    written = [node.args[i] if i < len(node.args) else node.kwargs.get(a.name)
+               for i, a in enumerate(schema.arguments) if a.alias_info is not None and a.alias_info.is_write]
+    return not node.users or any(isinstance(w, fx.Node) and w.op in ("get_attr", "placeholder") for w in written)
+
+
+def _copy_ahead(node: fx.Node, new: fx.Graph, env: dict[fx.Node, fx.Node]) -> None:
+    """Copy ``node`` (an attribute or a hoisted update a region reads) and what it needs, before the region."""
+    for src in node.all_input_nodes:
+        if src not in env:
+            _copy_ahead(src, new, env)
+    env[node] = new.node_copy(node, lambda y: env[y])
 
 
 def _region_nodes(graph: fx.Graph, stage_nodes: Sequence[Sequence[str]], region: PlannedRegion) -> list[fx.Node]:
@@ -155,6 +174,9 @@ def apply_plan(graph_module: fx.GraphModule, plan: Plan) -> fx.GraphModule:
         if n in first_of:
             i, region, nodes = first_of[n]
             body, inputs, outputs = _build_body(nodes, set(region.cached_nodes))
+            for x in inputs:  # attributes (subgraphs of no_grad blocks) and hoisted updates the region reads
+                if x not in env and (x.op == "get_attr" or _is_hoisted(x)):
+                    _copy_ahead(x, new, env)
             name = f"region_{i}"
             setattr(holder, name, CheckpointRegion(body, plan.stage_names[region.start:region.stop],
                                                    region.cached_nodes))
@@ -163,7 +185,7 @@ def apply_plan(graph_module: fx.GraphModule, plan: Plan) -> fx.GraphModule:
                 env[out] = new.call_function(operator.getitem, (call, j))
                 env[out]._rename(out.name)
                 env[out].meta = dict(out.meta)
-        elif n not in skipped:
+        elif n not in skipped and n not in env:
             env[n] = new.node_copy(n, lambda x: env[x])
     for name, region in holder.named_children():
         graph_module.add_submodule(name, region)
