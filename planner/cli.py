@@ -38,12 +38,13 @@ from typing import Any, Callable, Iterator, Sequence, TextIO
 import torch
 
 from . import __version__, solvers
-from .api import fingerprint, pose_problem
+from .api import allocator_margin_for, captured_device_type, device_budget, fingerprint, pose
 from .budget import Budget, format_bytes, parse_budget
+from .devices import device_spec
 from .capture import CapturedGraph, capture
 from .errors import InfeasibleBudgetError, PlannerError
 from .explain import explain
-from .plan import Plan
+from .plan import Plan, budget_for_usable, usable_bytes
 from .problem import Problem, Schedule, simulate
 from .solvers.baselines import BASELINES
 
@@ -196,16 +197,23 @@ class Session:
     problem: Problem
     stage_nodes: tuple[tuple[str, ...], ...]
     eager_peak_bytes: int
+    timing: str = "wall_clock"
+    allocator_margin: float = 0.0
+
+    def usable(self, budget_bytes: int) -> int:
+        """What a plan may use of ``budget_bytes``: the budget less the allocator margin."""
+        return usable_bytes(budget_bytes, self.allocator_margin)
 
     def solve(self, budget: Budget, method: str) -> Plan:
         """Plan under ``budget`` with ``method`` and record where the plan comes from."""
         budget_bytes = budget.resolve(self.eager_peak_bytes)
-        plan = solvers.solve(self.problem, budget_bytes, method=method)
+        plan = solvers.solve(self.problem, self.usable(budget_bytes), method=method)
         first = next(self.model.parameters(), None)
         return dataclasses.replace(plan, budget_bytes=budget_bytes, budget_text=budget.text,
                                    stage_nodes=self.stage_nodes, fingerprint=fingerprint(self.captured),
                                    torch_version=torch.__version__,
-                                   device=first.device.type if first is not None else "cpu")
+                                   device=first.device.type if first is not None else "cpu", timing=self.timing,
+                                   allocator_margin=self.allocator_margin)
 
 
 def open_session(args: argparse.Namespace, progress: Progress) -> Session:
@@ -214,12 +222,16 @@ def open_session(args: argparse.Namespace, progress: Progress) -> Session:
         model, inputs, kwargs = build_model(args.model)
     with progress.step(f"capturing {type(model).__name__}"), quiet_torch():
         captured = capture(model, inputs, kwargs)
-    with progress.step(f"profiling ({args.profile_repeats} timed run(s))"), quiet_torch():
-        problem, stage_nodes = pose_problem(captured, max_stages=args.max_stages,
-                                            profile_repeats=args.profile_repeats)
+    timed = f"analytic times for {args.device}" if args.device else f"{args.profile_repeats} timed run(s)"
+    with progress.step(f"profiling ({timed})"), quiet_torch():
+        posed = pose(captured, max_stages=args.max_stages, profile_repeats=args.profile_repeats, device=args.device)
+    problem = posed.problem
     eager = simulate(problem, Schedule.store_all(problem.num_stages)).peak_bytes
-    progress.note(f"{problem.num_stages} stages, eager peak {format_bytes(eager)}")
-    return Session(model, captured, problem, stage_nodes, eager)
+    margin = allocator_margin_for(args.allocator_margin, device_spec(args.device) if args.device else None,
+                                  captured_device_type(captured))
+    progress.note(f"{problem.num_stages} stages, eager peak {format_bytes(eager)}"
+                  + (f"; plans leave {margin:.0%} of the budget to the allocator" if margin else ""))
+    return Session(model, captured, problem, posed.stage_nodes, eager, posed.timing, margin)
 
 
 def _infeasible(budget: Budget, budget_bytes: int, minimum: int | None, why: str) -> InfeasibleBudgetError:
@@ -239,17 +251,26 @@ def _write(path: str, text: str) -> None:
 
 def run_plan(args: argparse.Namespace, progress: Progress) -> int:
     """``planner plan``: print the plan's summary (or its JSON with ``--json``), write it with ``-o``."""
-    budget = parse_budget(args.budget)
+    if args.budget is None and args.device is None:
+        raise PlannerError("--budget is required unless --device names the GPU whose memory to plan for",
+                           hint="e.g. --budget 8GB, --budget 60%, or --device h100")
+    if args.budget is not None:
+        parse_budget(args.budget)  # a malformed budget fails before the model is built
     session = open_session(args, progress)
+    budget = device_budget(args.budget, device_spec(args.device) if args.device else None,
+                           captured_device_type(session.captured))
     budget_bytes = budget.resolve(session.eager_peak_bytes)
-    with progress.step(f"solving for {format_bytes(budget_bytes)} with {args.solver}"):
+    with progress.step(f"solving for {format_bytes(session.usable(budget_bytes))} with {args.solver}"):
         try:
             plan = session.solve(budget, args.solver)
         except InfeasibleBudgetError as exc:
             why = (f"no {args.solver} plan fits" if args.solver in BASELINES
                    else "it is below the smallest peak any plan reaches")
-            raise _infeasible(budget, budget_bytes, exc.minimum_budget_bytes, why) from None
-    if plan.predicted_peak_bytes > budget_bytes:
+            minimum = exc.minimum_budget_bytes
+            if minimum is not None and session.allocator_margin:
+                minimum = budget_for_usable(minimum, session.allocator_margin)
+            raise _infeasible(budget, budget_bytes, minimum, why) from None
+    if plan.predicted_peak_bytes > session.usable(budget_bytes):
         raise _infeasible(budget, budget_bytes, plan.predicted_peak_bytes,
                           f"the {plan.solver} rule peaks at {format_bytes(plan.predicted_peak_bytes)}")
     if args.output:
@@ -300,10 +321,10 @@ def sweep_row(session: Session, budget: Budget, label: str, method: str) -> tupl
     """Solve one cell of the sweep; also return the smallest feasible peak when the budget is infeasible."""
     budget_bytes = budget.resolve(session.eager_peak_bytes)
     try:
-        plan = solvers.solve(session.problem, budget_bytes, method=method)
+        plan = solvers.solve(session.problem, session.usable(budget_bytes), method=method)
     except InfeasibleBudgetError as exc:
         return SweepRow(budget.text, budget_bytes, label, method, None, None, None), exc.minimum_budget_bytes
-    if plan.predicted_peak_bytes > budget_bytes:
+    if plan.predicted_peak_bytes > session.usable(budget_bytes):
         return SweepRow(budget.text, budget_bytes, label, plan.solver, None, None, None), None
     return SweepRow(budget.text, budget_bytes, label, plan.solver, plan.status.value, plan.predicted_peak_bytes,
                     plan.predicted_overhead), None
@@ -414,7 +435,16 @@ def _common(model: bool) -> _Parser:
         parent.add_argument("--profile-repeats", type=int, default=3, metavar="N", help="timed profiling runs")
         parent.add_argument("--max-stages", type=int, default=64, metavar="N", help="cut the model into at most N")
         parent.add_argument("--json", action="store_true", help="print machine-readable JSON on stdout")
+        parent.add_argument("--device", metavar="GPU", type=_device_name,
+                            help="plan for this GPU (h100, h200, a100, l4, rtx4090) with its roofline times; "
+                                 "how a model built on the meta device is planned")
+        parent.add_argument("--allocator-margin", type=float, metavar="SHARE",
+                            help="share of the budget left to the CUDA allocator (default 0.05 for a GPU, else 0)")
     return parent
+
+
+def _device_name(text: str) -> str:
+    return device_spec(text).name  # an unknown name is a usage error naming the known ones
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -423,7 +453,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"planner {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="{plan,explain,sweep}")
     plan = commands.add_parser("plan", parents=[_common(True)], help="plan a model under a budget")
-    plan.add_argument("--budget", required=True, help="8GB, 512MiB, an int of bytes or 60%% of the eager peak")
+    plan.add_argument("--budget", help="8GB, 512MiB, an int of bytes or 60%% of the eager peak; "
+                                       "with --device, all of its memory when left out")
     plan.add_argument("-o", "--output", metavar="PLAN.json", help="write the plan here")
     plan.add_argument("--solver", default="auto", choices=solvers.METHODS)
     plan.set_defaults(run=run_plan)

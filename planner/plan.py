@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -71,6 +72,18 @@ def usable_bytes(budget_bytes: int, allocator_margin: float) -> int:
     76000000000
     """
     return int(budget_bytes * (1.0 - allocator_margin))
+
+
+def budget_for_usable(usable: int, allocator_margin: float) -> int:
+    """The smallest budget of which a plan may use ``usable`` bytes: the inverse of :func:`usable_bytes`.
+
+    >>> budget_for_usable(76000000000, 0.05), usable_bytes(budget_for_usable(999, 0.07), 0.07) >= 999
+    (80000000000, True)
+    """
+    budget = math.ceil(usable / (1.0 - allocator_margin))
+    while usable_bytes(budget, allocator_margin) < usable:
+        budget += 1
+    return budget
 
 
 def _saved_bytes(problem: Problem) -> list[int]:
@@ -139,6 +152,7 @@ class Plan:
     schema_version: int = SCHEMA_VERSION
     timing: str = ""  # where the times came from: "wall_clock", "cuda_events", "analytic:h100"
     allocator_margin: float = 0.0  # share of the budget left to the allocator: planned for budget * (1 - margin)
+    lower_bound_seconds: float | None = None  # proven: no plan within the budget recomputes less (None: unknown)
 
     @property
     def planned_budget_bytes(self) -> int | None:
@@ -153,7 +167,7 @@ class Plan:
     @classmethod
     def from_schedule(cls, problem: Problem, schedule: Schedule, *, solver: str, status: SolverStatus,
                       gap: float | None = None, solve_seconds: float = 0.0,
-                      budget_bytes: int | None = None) -> "Plan":
+                      budget_bytes: int | None = None, lower_bound_seconds: float | None = None) -> "Plan":
         """Evaluate ``schedule`` on ``problem`` and record the prediction beside the decisions."""
         evaluation = simulate(problem, schedule)
         eager = simulate(problem, Schedule.store_all(problem.num_stages))
@@ -169,7 +183,7 @@ class Plan:
             predicted_recompute_seconds=evaluation.recompute_seconds,
             predicted_overhead=evaluation.recompute_seconds / eager_seconds if eager_seconds > 0 else 0.0,
             solver=solver, status=status, gap=gap, solve_seconds=solve_seconds, budget_bytes=budget_bytes,
-            stage_summaries=stage_summaries(problem, schedule))
+            stage_summaries=stage_summaries(problem, schedule), lower_bound_seconds=lower_bound_seconds)
 
     @property
     def schedule(self) -> Schedule:

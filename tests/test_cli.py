@@ -46,6 +46,12 @@ FACTORY = textwrap.dedent('''
 
     def branchy():
         return Branchy(), torch.randn(3)
+
+    def on_meta():
+        with torch.device("meta"):
+            blocks = [torch.nn.Sequential(torch.nn.Linear(4096, 16384), torch.nn.GELU(), torch.nn.Linear(16384, 4096))
+                      for _ in range(4)]
+        return torch.nn.Sequential(*blocks), (torch.empty(32768, 4096, device="meta"),)
 ''')
 
 QUICK = ("--profile-repeats", "1")
@@ -65,6 +71,10 @@ IN_PROCESS = {  # the same checks through cli.main, without a torch import each
     "factory_raises": ["plan", "factory.py:boom", "--budget", "1GB", "-q"],
     "malformed_plan": ["explain", "garbage.json", "-q"],
     "sweep_json": ["sweep", "factory.py:build", "--budgets", "50%,100%", "--json", "-q", *QUICK],
+    "meta_device": ["plan", "factory.py:on_meta", "--device", "l4", "--json", "-q"],
+    "meta_without_device": ["plan", "factory.py:on_meta", "--budget", "1GB", "-q"],
+    "no_budget": ["plan", "factory.py:build", "-q"],
+    "unknown_device": ["plan", "factory.py:build", "--device", "v100", "-q"],
 }
 
 
@@ -186,6 +196,9 @@ def test_sweep_json_lists_every_budget_and_method(runs):
     ("factory_raises", "factory factory.py:boom raised RuntimeError: no data here"),
     ("malformed_plan", "garbage.json: plan is not valid JSON"),
     ("tampered_plan", "tampered.json: plan data is malformed at $.stage_summaries[1].saved_bytes_eager"),
+    ("meta_without_device", "a model on the meta device has no run time to measure"),
+    ("no_budget", "--budget is required unless --device names the GPU"),
+    ("unknown_device", "unknown device 'v100'. Hint: known devices: a100, h100, h200, l4"),
 ])
 def test_usage_errors_exit_2_with_one_line(runs, name, fragment):
     run = runs[name]
@@ -242,8 +255,18 @@ def test_in_process_errors_are_one_line(capsys):
     assert cli.main(["plan", "x.py", "--budget", "1GB", "--quiet"]) == 2
     err = capsys.readouterr().err.splitlines()
     assert err == [
-        "planner: error: the following arguments are required: --budget. Hint: see 'planner plan --help'",
+        "planner: error: --budget is required unless --device names the GPU whose memory to plan for. Hint: e.g. "
+        "--budget 8GB, --budget 60%, or --device h100",
         "planner: error: budget '8 bananas' has an unknown unit 'bananas'. Hint: write an int of bytes, a size such "
         "as '8GB', '512MiB', '1.5GiB', or a share of the eager peak such as '60%'",
         "planner: error: model 'x.py' is not FILE.py:FACTORY or package.module:FACTORY. Hint: for example "
         "model.py:build"]
+
+
+def test_device_plans_a_meta_model_for_a_gpu_it_does_not_have(runs):
+    run = runs["meta_device"]
+    assert run.code == 0, run.stderr
+    plan = Plan.from_dict(json.loads(run.stdout))
+    assert plan.timing == "analytic:l4" and plan.device == "meta" and plan.budget_text == "l4 memory"
+    assert plan.allocator_margin == 0.05 and plan.eager_peak_bytes > plan.budget_bytes  # 4 x 2 GiB activations
+    assert plan.regions and plan.predicted_peak_bytes <= plan.planned_budget_bytes

@@ -1,0 +1,187 @@
+"""Check the cost model on a real GPU: predicted against measured peak memory and step time, at a few budgets.
+
+    python -m benchmarks.gpu_check                    # on CUDA: GPT-2 (fp32) and Llama (bf16) at GPU sizes, < 5 min
+    python -m benchmarks.gpu_check --size tiny        # the same checks at test sizes (what runs on a CPU)
+    python -m benchmarks.gpu_check --spec h200        # also the roofline prediction of the eager step on an H200
+
+For each model it profiles once where the model runs (CUDA events on a GPU, the wall clock on the CPU), then plans
+for the eager peak, 70%, 50% and uniform checkpointing's peak, leaving ``--margin`` of each budget to the
+allocator. Each plan's step is run: on CUDA the caching allocator's ``max_memory_allocated`` (everything the step
+holds, parameters included) and ``memory_reserved`` are read, on the CPU the live-storage meter; the step time is
+the median of CUDA events (the fastest wall-clock run on the CPU). The table shows the predicted and measured peak,
+their ratio, what the allocator reserved, and the predicted and measured recomputation overhead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import time
+import warnings
+from typing import Any, Callable
+
+import torch
+
+SIZES = {  # kind -> size -> (layers, hidden, heads, intermediate, vocab, batch, seq, dtype)
+    "gpt2": {"tiny": (2, 64, 4, 256, 128, 4, 256, torch.float32),
+             "gpu": (12, 768, 12, 3072, 50257, 8, 1024, torch.float32)},
+    "llama": {"tiny": (2, 64, 4, 172, 128, 4, 256, torch.float32),
+              "gpu": (8, 2048, 16, 5504, 32000, 2, 2048, torch.bfloat16)},
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """One model at one budget: what the plan predicts and what its step measured."""
+
+    model: str
+    budget: str
+    predicted_peak: int
+    measured_peak: int
+    reserved: int | None
+    predicted_overhead: float
+    measured_overhead: float
+    step_seconds: float
+
+    @property
+    def peak_ratio(self) -> float:
+        return self.measured_peak / self.predicted_peak if self.predicted_peak else float("nan")
+
+
+def build(kind: str, size: str, device: str) -> tuple[torch.nn.Module, tuple, dict]:
+    """A Hugging Face GPT-2 or Llama with random weights on ``device``, and token ids that are also the labels."""
+    import transformers
+
+    layers, hidden, heads, inter, vocab, batch, seq, dtype = SIZES[kind][size]
+    common = dict(vocab_size=vocab, use_cache=False, bos_token_id=0, eos_token_id=0)
+    if kind == "gpt2":
+        config = transformers.GPT2Config(n_layer=layers, n_embd=hidden, n_head=heads, n_inner=inter,
+                                         n_positions=seq, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **common)
+        model = transformers.GPT2LMHeadModel(config)
+        model.loss_type = "ForCausalLM"
+    else:
+        config = transformers.LlamaConfig(hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+                                          num_attention_heads=heads, num_key_value_heads=heads,
+                                          max_position_embeddings=seq, **common)
+        model = transformers.LlamaForCausalLM(config)
+    model = model.to(device=device, dtype=dtype).train()
+    ids = torch.randint(0, vocab, (batch, seq), device=device)
+    return model, (ids,), {"labels": ids}
+
+
+def measure(step: Callable[[], None], fixed: list[torch.Tensor], on_cuda: bool,
+            repeats: int) -> tuple[int, int | None, float]:
+    """Peak bytes of one ``step()`` (with ``fixed`` tensors), what the allocator reserved, and its time."""
+    from planner.meter import LiveMemoryMeter, storage_bytes
+    from planner.timing import CudaStopwatch, WallStopwatch
+
+    step()  # warm-up: kernels chosen, allocator pools made
+    if on_cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        step()
+        torch.cuda.synchronize()
+        peak, reserved = torch.cuda.max_memory_allocated(), torch.cuda.memory_reserved()
+    else:
+        with LiveMemoryMeter() as meter:
+            step()
+        peak, reserved = storage_bytes(fixed) + meter.peak_bytes, None
+    watch = CudaStopwatch() if on_cuda else WallStopwatch()
+    samples = []
+    for _ in range(repeats):
+        start = watch.stamp()
+        step()
+        samples.append(watch.seconds(start, watch.stamp()))
+    return peak, reserved, watch.combine(samples)
+
+
+def check_model(kind: str, size: str, device: str, *, shares=(1.0, 0.7, 0.5), margin: float = 0.05,
+                repeats: int = 5, spec: str | None = None, profile_repeats: int = 3,
+                out: Callable[[str], Any] = print) -> list[Row]:
+    """Plan ``kind`` at each share of its eager peak and at uniform checkpointing's peak; measure each plan."""
+    from planner import solvers
+    from planner.api import planned_module, pose
+    from planner.capture import capture
+    from planner.errors import InfeasibleBudgetError
+    from planner.plan import budget_for_usable, usable_bytes
+    from planner.problem import Schedule, simulate
+
+    torch.manual_seed(0)
+    model, args, kwargs = build(kind, size, device)
+    on_cuda = device.startswith("cuda")
+    start = time.perf_counter()
+    captured = capture(model, args, kwargs)
+    posed = pose(captured, loss_fn=lambda o: o.loss, profile_repeats=profile_repeats)
+    problem = posed.problem
+    out(f"{kind} ({size}, {SIZES[kind][size][-1]}): {problem.num_stages} stages, profiled with {posed.timing} "
+        f"in {time.perf_counter() - start:.1f} s")
+    fixed = list(model.parameters()) + list(model.buffers()) + list(args)
+
+    def step_of(module) -> Callable[[], None]:
+        def step():
+            module(*args, **kwargs).loss.backward()
+            for p in model.parameters():
+                p.grad = None
+        return step
+
+    eager = simulate(problem, Schedule.store_all(problem.num_stages))
+    peak0, reserved0, eager_seconds = measure(step_of(model), fixed, on_cuda, repeats)
+    if spec is not None:
+        analytic = pose(capture(model, args, kwargs), loss_fn=lambda o: o.loss, device=spec, profile_repeats=1)
+        predicted = simulate(analytic.problem, Schedule.store_all(problem.num_stages)).step_seconds
+        out(f"  eager step: measured {eager_seconds * 1e3:.1f} ms, roofline on {spec} {predicted * 1e3:.1f} ms")
+    rows = [Row(kind, "eager", eager.peak_bytes, peak0, reserved0, 0.0, 0.0, eager_seconds)]
+    uniform = simulate(problem, Schedule.uniform(problem.num_stages)).peak_bytes
+    budgets = [(f"{share:.0%}", budget_for_usable(int(share * eager.peak_bytes), margin)) for share in shares]
+    budgets.append(("uniform", budget_for_usable(uniform, margin)))
+    for label, budget in budgets:
+        try:
+            plan = solvers.solve(problem, usable_bytes(budget, margin), method="auto")
+        except InfeasibleBudgetError:
+            out(f"  {label}: infeasible")
+            continue
+        module = planned_module(captured, plan, posed.stage_nodes)
+        peak, reserved, seconds = measure(step_of(module), fixed, on_cuda, repeats)
+        rows.append(Row(kind, label, plan.predicted_peak_bytes, peak, reserved, plan.predicted_overhead,
+                        seconds / eager_seconds - 1, seconds))
+    return rows
+
+
+def table(rows: list[Row]) -> str:
+    """The rows as a fixed-width table."""
+    mib = 2**20
+    header = ("model", "budget", "pred peak MiB", "meas peak MiB", "meas/pred", "reserved MiB", "pred ovh",
+              "meas ovh", "step ms")
+    lines = [header] + [(r.model, r.budget, f"{r.predicted_peak / mib:.1f}", f"{r.measured_peak / mib:.1f}",
+                         f"{r.peak_ratio:.3f}", "-" if r.reserved is None else f"{r.reserved / mib:.1f}",
+                         f"{r.predicted_overhead:+.1%}", f"{r.measured_overhead:+.1%}", f"{r.step_seconds * 1e3:.1f}")
+                        for r in rows]
+    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
+    return "\n".join("  ".join(c.rjust(w) for c, w in zip(line, widths)) for line in lines)
+
+
+def main(argv: list[str] | None = None) -> list[Row]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    cuda = torch.cuda.is_available()
+    parser.add_argument("--device", default="cuda" if cuda else "cpu")
+    parser.add_argument("--size", default="gpu" if cuda else "tiny", choices=["tiny", "gpu"])
+    parser.add_argument("--models", default="gpt2,llama")
+    parser.add_argument("--margin", type=float, default=0.05)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--spec", help="also predict the eager step with this device's roofline (e.g. h200)")
+    args = parser.parse_args(argv)
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("ignore", category=DeprecationWarning)
+    started = time.perf_counter()
+    rows = []
+    for kind in [m.strip() for m in args.models.split(",") if m.strip()]:
+        rows += check_model(kind, args.size, args.device, margin=args.margin, repeats=args.repeats, spec=args.spec)
+        if args.device.startswith("cuda"):
+            torch.cuda.empty_cache()
+    print(table(rows))
+    print(f"total {time.perf_counter() - started:.0f} s")
+    return rows
+
+
+if __name__ == "__main__":
+    main()
