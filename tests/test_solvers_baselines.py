@@ -95,13 +95,19 @@ def test_infeasible_message_names_budget_eager_minimum_and_what_dominates():
 
 # --- solvers.solve -------------------------------------------------------------------------------------------------
 
-def test_auto_uses_the_dp_on_chains_and_the_ilp_elsewhere():
+def test_auto_proves_chains_with_the_dp_and_closes_dag_gaps_with_the_ilp():
     chain, dag = random_chain(5, seed=1), random_dag(5, seed=1)
     assert chain.is_chain() and not dag.is_chain()
-    for problem, solver in ((chain, "dp"), (dag, "ilp")):
+    for problem in (chain, dag):
         eager = simulate(problem, Schedule()).peak_bytes
         budget = (eager + solvers.minimum_peak(problem)) // 2
-        assert solvers.solve(problem, budget).solver == solver
+        plan = solvers.solve(problem, budget)
+        exact = solvers.solve(problem, budget, method="ilp")
+        assert plan.status is SolverStatus.OPTIMAL and plan.gap == 0.0
+        assert plan.predicted_recompute_seconds == pytest.approx(exact.predicted_recompute_seconds)
+        assert plan.lower_bound_seconds == pytest.approx(plan.predicted_recompute_seconds)
+    assert solvers.solve(chain, (simulate(chain, Schedule()).peak_bytes + solvers.minimum_peak(chain)) // 2
+                         ).solver == "dp"
 
 
 @pytest.mark.parametrize("method", ["ilp", "dp", "store_all", "uniform", "chen_sqrt", "fewest_blocks"])
@@ -119,4 +125,4 @@ def test_solve_rejects_unknown_methods_and_stray_options():
     with pytest.raises(PlannerError, match="takes no options"):
         solvers.solve(problem, 10**6, method="uniform", time_limit=3)
     with pytest.raises(TypeError):
-        solvers.solve(problem, 10**6, method="dp", time_limit=3)
+        solvers.solve(problem, 10**6, method="dp", gap=0.1)

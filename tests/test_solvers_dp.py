@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import math
+import random
+
 import pytest
 
 from planner.errors import InfeasibleBudgetError
 from planner.plan import SolverStatus
-from planner.problem import Schedule, simulate
-from planner.solvers.dp import minimum_peak, solve_dp
+from planner.problem import Problem, Schedule, Stage, TensorInfo, simulate
+from planner.solvers.dp import chain_relaxation, lower_bound, minimum_peak, relative_gap, solve_dp
 from planner.solvers.ilp import solve_ilp
-from tests.solver_problems import brute_force_best, brute_force_table, layered_chain, random_chain, random_dag
+from tests.solver_problems import (brute_force_best, brute_force_table, layered_chain, random_chain, random_dag,
+                                   random_schedule)
 
 CHAINS = [(4, 0, 2), (4, 3, 2), (4, 9, 3), (5, 1, 2), (5, 4, 3), (5, 12, 2)]
 
@@ -91,3 +95,82 @@ def test_a_cut_pareto_front_is_reported_as_feasible_only():
     assert full.status == SolverStatus.OPTIMAL and cut.status == SolverStatus.FEASIBLE
     assert cut.predicted_peak_bytes <= budget
     assert cut.predicted_recompute_seconds >= full.predicted_recompute_seconds - 1e-9
+
+
+# --- proven bounds, the classic case, time limits -------------------------------------------------------------------
+
+def uniform_state_chain(n: int) -> Problem:
+    """Griewank's setting: every stage reads and saves one state (one byte) made by the stage before."""
+    stages = tuple(Stage(f"s{k}", 1.0, 2.0) for k in range(n))
+    states = tuple(TensorInfo(f"x{k}", 1, k, frozenset({k + 1}), frozenset({k + 1})) for k in range(n - 1))
+    return Problem(stages, states)
+
+
+@pytest.mark.parametrize("slots", [2, 3, 4, 5])
+def test_longest_uniform_chain_per_memory_is_griewanks_binomial(slots):
+    """With every stage recomputed at most once (two evaluations), ``slots`` states of memory reverse at most
+    ``C(slots + 2, 2)`` steps (Griewank's beta(s, 2)); here the last stage's state is never stored, so the chain
+    has one stage fewer. The DP's smallest peak finds that boundary exactly."""
+    longest = math.comb(slots + 2, 2) - 1
+    assert minimum_peak(uniform_state_chain(longest)) == slots
+    assert minimum_peak(uniform_state_chain(longest + 1)) == slots + 1
+    plan = solve_dp(uniform_state_chain(longest), slots)
+    assert plan.status is SolverStatus.OPTIMAL and plan.predicted_peak_bytes == slots
+
+
+def test_uniform_chain_matches_brute_force_at_every_budget():
+    problem = uniform_state_chain(7)
+    table = brute_force_table(problem)
+    for budget in sorted({peak for peak, _, _ in table}):
+        plan = solve_dp(problem, budget)
+        assert plan.predicted_recompute_seconds == brute_force_best(table, budget)
+        assert plan.gap == 0.0 and plan.lower_bound_seconds == plan.predicted_recompute_seconds
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_chain_relaxation_never_raises_a_peak_nor_changes_the_time(seed):
+    problem = random_dag(6, seed)
+    relaxed = chain_relaxation(problem)
+    assert relaxed.is_chain() and not problem.is_chain()
+    rng = random.Random(seed)
+    for _ in range(40):
+        schedule = random_schedule(problem, rng, rng.random())
+        exact, loose = simulate(problem, schedule), simulate(relaxed, schedule)
+        assert loose.peak_bytes <= exact.peak_bytes
+        assert loose.recompute_seconds == pytest.approx(exact.recompute_seconds)
+
+
+@pytest.mark.parametrize("maker,seed", [(random_chain, 2), (random_chain, 7), (random_dag, 3), (random_dag, 8)])
+def test_lower_bound_is_below_the_true_optimum_and_the_gap_is_honest(maker, seed):
+    problem = maker(5, seed)
+    table = brute_force_table(problem)
+    peaks = sorted({peak for peak, _, _ in table})
+    for budget in (peaks[0], peaks[len(peaks) // 4], peaks[len(peaks) // 2]):
+        best = brute_force_best(table, budget)
+        assert lower_bound(problem, budget) <= best + 1e-9
+        plan = solve_dp(problem, budget)
+        assert plan.lower_bound_seconds <= best + 1e-9 <= plan.predicted_recompute_seconds + 2e-9
+        assert plan.gap == pytest.approx(relative_gap(plan.predicted_recompute_seconds, plan.lower_bound_seconds))
+        assert (plan.status is SolverStatus.OPTIMAL) == (plan.gap <= 1e-9)
+
+
+def test_coarse_rounding_is_refined_until_the_gap_closes():
+    problem = layered_chain(8, 1)
+    eager = simulate(problem, Schedule()).peak_bytes
+    budget = (simulate(problem, Schedule.uniform(8)).peak_bytes + eager) // 2
+    coarse = solve_dp(problem, budget, buckets=50, refinements=0)
+    refined = solve_dp(problem, budget, buckets=50, refinements=2)
+    assert coarse.gap > refined.gap
+    assert refined.predicted_recompute_seconds <= coarse.predicted_recompute_seconds
+    assert refined.lower_bound_seconds >= coarse.lower_bound_seconds
+
+
+def test_a_time_limit_returns_a_feasible_plan_and_progress_is_reported():
+    problem = layered_chain(48, 0)
+    eager = simulate(problem, Schedule()).peak_bytes
+    budget = (simulate(problem, Schedule.uniform(48)).peak_bytes + eager) // 2
+    lines: list[str] = []
+    plan = solve_dp(problem, budget, time_limit=0.05, progress=lines.append)
+    assert plan.predicted_peak_bytes <= budget == plan.budget_bytes
+    assert plan.status is SolverStatus.FEASIBLE
+    assert lines and lines[0].startswith("dp: stage 1/48")

@@ -3,8 +3,10 @@
 * ``"ilp"``: exact mixed-integer program (:mod:`.ilp`), any problem;
 * ``"dp"``: dynamic program (:mod:`.dp`), exact on chains, conservative elsewhere;
 * ``"store_all"``, ``"uniform"``, ``"chen_sqrt"``, ``"fewest_blocks"``: baselines (:mod:`.baselines`);
-* ``"auto"``: the DP when :meth:`Problem.is_chain() <planner.problem.Problem.is_chain>` (and the ILP too when the
-  DP cannot prove its plan optimal), else the ILP.
+* ``"auto"``: the DP, whose plan carries a proven gap (against the optimum of a relaxation); when that gap is
+  open and the problem has at most ``ILP_STAGES`` stages, the ILP starts from the DP's plan to close it.
+
+Every plan reports ``gap`` and ``lower_bound_seconds``: no plan within the budget recomputes less than the bound.
 
 >>> from planner.problem import Problem, Stage, TensorInfo
 >>> stages = tuple(Stage(f"s{i}", 1.0, 2.0) for i in range(4))
@@ -23,21 +25,27 @@ planner.errors.PlannerError: unknown solver method 'magic'. Hint: choose one of 
 
 from __future__ import annotations
 
+import dataclasses
+import time
+from typing import Callable
+
 from ..errors import PlannerError
 from ..plan import Plan, SolverStatus
 from ..problem import Problem
 from .baselines import BASELINES, solve_baseline
-from .dp import minimum_peak, solve_dp
+from .dp import GAP_TOLERANCE, lower_bound, minimum_peak, relative_gap, solve_dp
 from .ilp import min_peak_ilp, solve_ilp
 
 METHODS = ("auto", "ilp", "dp", *BASELINES)
 
-__all__ = ["METHODS", "minimum_peak", "min_peak_ilp", "solve", "solve_baseline", "solve_dp", "solve_ilp"]
+__all__ = ["METHODS", "lower_bound", "minimum_peak", "min_peak_ilp", "solve", "solve_baseline", "solve_dp",
+           "solve_ilp"]
 
 
 def solve(problem: Problem, budget_bytes: int, method: str = "auto", **options) -> Plan:
     """Plan ``problem`` under ``budget_bytes`` with ``method``; ``options`` go to the solver (``time_limit``,
-    ``gap`` for the ILP, ``buckets`` for the DP)."""
+    ``gap`` for the ILP; ``buckets``, ``front_limit``, ``time_limit``, ``progress``, ``target_gap`` for the DP;
+    ``time_limit``, ``progress``, ``ilp_stages`` for auto)."""
     if method == "auto":
         return _solve_auto(problem, budget_bytes, **options)
     if method == "ilp":
@@ -51,14 +59,29 @@ def solve(problem: Problem, budget_bytes: int, method: str = "auto", **options) 
     raise PlannerError(f"unknown solver method {method!r}", hint=f"choose one of {', '.join(METHODS)}")
 
 
-def _solve_auto(problem: Problem, budget_bytes: int, **options) -> Plan:
-    """The DP on chains; the ILP where the DP cannot prove its plan optimal (non-chains, coarse discretisation or
-    a cut Pareto front), keeping the faster of the two plans."""
-    ilp_options = {k: v for k, v in options.items() if k in ("time_limit", "gap")}
-    if not problem.is_chain():
-        return solve_ilp(problem, budget_bytes, **ilp_options)
-    plan = solve_dp(problem, budget_bytes, **{k: v for k, v in options.items() if k not in ilp_options})
-    if plan.status is SolverStatus.OPTIMAL:
+ILP_STAGES = 40  # the exact ILP closes the DP's gap on problems up to this many stages (see benchmarks)
+
+
+def _solve_auto(problem: Problem, budget_bytes: int, *, time_limit: float | None = None,
+                progress: Callable[[str], None] | None = None, ilp_stages: int = ILP_STAGES,
+                target_gap: float = 0.01, **dp_options) -> Plan:
+    """The DP with its proven gap; when the gap is open (non-chains, coarse rounding) and the problem is small
+    enough, the ILP starts from the DP's plan, and the plan keeps the better schedule and the better bound."""
+    started = time.perf_counter()
+    plan = solve_dp(problem, budget_bytes, time_limit=time_limit, progress=progress, target_gap=target_gap,
+                    **dp_options)
+    if plan.status is SolverStatus.OPTIMAL or problem.num_stages > ilp_stages:
         return plan
-    exact = solve_ilp(problem, budget_bytes, **ilp_options)
-    return exact if exact.predicted_recompute_seconds <= plan.predicted_recompute_seconds else plan
+    remaining = 60.0 if time_limit is None else time_limit - (time.perf_counter() - started)
+    if remaining < 1.0:
+        return plan
+    if progress is not None:
+        progress(f"ilp: closing a gap of {plan.gap:.2%}" if plan.gap is not None else "ilp: bounding the DP's plan")
+    exact = solve_ilp(problem, budget_bytes, time_limit=remaining, warm=plan.schedule)
+    best = exact if exact.predicted_recompute_seconds < plan.predicted_recompute_seconds else plan
+    bounds = [b for b in (plan.lower_bound_seconds, exact.lower_bound_seconds) if b is not None]
+    lower = max(bounds) if bounds else None
+    gap = relative_gap(best.predicted_recompute_seconds, lower)
+    status = SolverStatus.OPTIMAL if gap is not None and gap <= GAP_TOLERANCE else SolverStatus.FEASIBLE
+    return dataclasses.replace(best, solver=f"{best.solver}+{'ilp' if best is plan else 'dp'}", status=status,
+                               gap=gap, lower_bound_seconds=lower, solve_seconds=time.perf_counter() - started)

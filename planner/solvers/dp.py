@@ -38,16 +38,19 @@ outputs really are), which over-estimates memory: the program stays feasible but
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import math
 import time
 from dataclasses import dataclass
 from functools import reduce
+from typing import Callable, NamedTuple
 
 import numpy as np
 
+from ..errors import PlannerError
 from ..plan import Plan, SolverStatus
 from ..problem import Problem, Region, Schedule, TensorInfo, simulate
-from .baselines import infeasible_budget_error, store_all
+from .baselines import chen_sqrt, fewest_blocks, infeasible_budget_error, store_all, uniform
 from .ilp import unheld_forward_until
 
 STORED = -1  # how a stage ran, in place of an option index
@@ -142,6 +145,11 @@ class _Tables:
     sums: tuple[_StageSums, ...]
     pending: dict[tuple[int, int, str], "_Pending"]  # (i, how stage i-1 ran, kind at i) -> stage i-1's tensors
     option_seconds: tuple[tuple[float, ...], ...]
+    optimistic: bool = False  # round what H gains down instead of up: a relaxation, for lower bounds
+
+    def units(self, nbytes):
+        """Whole units of H standing for ``nbytes`` (an int or an array): rounded up, or down when optimistic."""
+        return nbytes // self.unit if self.optimistic else -(-nbytes // self.unit)
 
     def options(self, k: int) -> range:
         return range(len(self.problem.stages[k].recompute_options))
@@ -151,7 +159,7 @@ class _Tables:
 
 
 
-def _tables(problem: Problem, unit: int) -> _Tables:
+def _tables(problem: Problem, unit: int, optimistic: bool = False) -> _Tables:
     n = problem.num_stages
     locals_: list[list[_Local]] = [[] for _ in range(n)]
     pinned: list[list[_Pinned]] = [[] for _ in range(n)]
@@ -183,8 +191,17 @@ def _tables(problem: Problem, unit: int) -> _Tables:
               + pinned_backward[k] for k in range(n)),
         tuple(fixed + grads_after[k] + getattr(stages[k], "output_grad_bytes", 0) + pinned_backward[k]
               for k in range(n)),
-        tuple(_stage_sums(tuple(locals_[k]), options[k]) for k in range(n)), pending,
-        tuple(tuple(o.recompute_seconds for o in s.recompute_options) for s in stages))
+        tuple(_quantized(_stage_sums(tuple(locals_[k]), options[k]), unit, optimistic) for k in range(n)),
+        pending, tuple(tuple(o.recompute_seconds for o in s.recompute_options) for s in stages), optimistic)
+
+
+def _quantized(sums: _StageSums, unit: int, optimistic: bool) -> _StageSums:
+    """Cached bytes in whole units of H (up, or down when optimistic): they end up in H anyway, and regions whose
+    caches differ by less than a unit then compete on time alone, which keeps the Pareto fronts small."""
+    def whole(nbytes: int) -> int:
+        return (nbytes // unit if optimistic else -(-nbytes // unit)) * unit
+    return dataclasses.replace(sums, cached=tuple(map(whole, sums.cached)),
+                               unsaved_cached=tuple(map(whole, sums.unsaved_cached)))
 
 
 @dataclass(frozen=True)
@@ -208,9 +225,9 @@ def _pending(tensors: list[_Local], how: int, kind: str) -> _Pending:
 
 # --- the inner program: options inside one region -------------------------------------------------------------------
 
-@dataclass(frozen=True)
-class _Open:
-    """A region ``i .. p`` still open at ``p``; every byte count excludes ``H`` and stage ``i-1``'s tensors."""
+class _Open(NamedTuple):
+    """A region ``i .. p`` still open at ``p``; every byte count excludes ``H`` and stage ``i-1``'s tensors.
+    (A named tuple: the inner program makes millions of them.)"""
 
     cached: int  # bytes cached by stages i .. p-1: alive to the end once the region is left
     unsaved: int  # of those, bytes no stage saves: alive again at the recomputation
@@ -241,21 +258,28 @@ class _Closed:
 
 
 def _pareto(points: list[_Open], limit: int) -> tuple[list[_Open], bool]:
-    """Drop points another point beats in seconds, cached bytes and need (among points equal in the other costs);
-    keep at most ``limit``, spread from fastest to leanest (False when some were cut)."""
+    """Drop points another point beats in every cost (each cost only ever adds to later events, so a point no
+    worse in all of them serves every completion at least as well); keep at most ``limit``, spread from fastest
+    to leanest (False when some were cut)."""
     groups: dict[tuple, list[_Open]] = {}
     for point in points:
-        groups.setdefault((point.unsaved, point.copies, point.forward_now, point.forward_first), []).append(point)
-    kept = [p for group in groups.values() for p in _staircase(group, lambda x: (x.seconds, x.cached, x.need))]
+        groups.setdefault((point.need, point.copies, point.forward_now, point.forward_first), []).append(point)
+    kept = [p for group in groups.values() for p in _staircase(group, lambda x: (x.seconds, x.cached, x.unsaved))]
+    if len(kept) > limit:
+        kept = _nondominated(kept, _Open.costs)
+    kept.sort(key=lambda x: x.seconds)
     if len(kept) <= limit:
         return kept, True
-    kept.sort(key=lambda x: x.seconds)
     step = (len(kept) - 1) / (limit - 1)
     return [kept[round(j * step)] for j in range(limit)], False
 
 
 def _staircase(items: list, costs) -> list:
-    """Items not beaten in all three ``costs`` (a, b, c) by another: sort by a, keep a staircase over (b, c)."""
+    """Items not beaten in all three ``costs`` (a, b, c) by another: sort by a, keep a staircase over (b, c).
+
+    >>> _staircase([(1, 5, 5), (2, 2, 2), (3, 3, 3), (1, 5, 5), (0, 9, 9)], lambda x: x)
+    [(0, 9, 9), (1, 5, 5), (2, 2, 2)]
+    """
     stairs_b: list = []  # increasing b
     stairs_c: list = []  # decreasing c
     kept = []
@@ -271,6 +295,29 @@ def _staircase(items: list, costs) -> list:
         stairs_b[j:stop] = [b]
         stairs_c[j:stop] = [c]
     return kept
+
+
+def _nondominated(items: list, costs) -> list:
+    """The items no other item beats or equals in every one of ``costs`` (first cost first, ties broken by the
+    rest), in increasing order of the first cost.
+
+    >>> _nondominated([(1, 5), (2, 2), (3, 3), (1, 5), (0, 9)], lambda x: x)
+    [(0, 9), (1, 5), (2, 2)]
+    """
+    if len(items) <= 1:
+        return list(items)
+    table = np.array([costs(item) for item in items], dtype=np.float64)
+    order = np.lexsort(table.T[::-1])
+    table = table[order]
+    kept_rows = np.empty_like(table)
+    kept: list[int] = []
+    for row_index in range(len(table)):
+        row = table[row_index]
+        if kept and (kept_rows[:len(kept)] <= row).all(axis=1).any():
+            continue
+        kept_rows[len(kept)] = row
+        kept.append(row_index)
+    return [items[order[j]] for j in kept]
 
 
 def _closed_front(closed: list[_Closed]) -> list[_Closed]:
@@ -304,8 +351,10 @@ def _resolve_pinned(tables: _Tables, stage: int, option: int, copies: int,
 class _Region:
     """The inner program for regions starting at ``i``, closed at every ``e`` in turn."""
 
-    def __init__(self, tables: _Tables, i: int, budget: int | None, limit: int, track_time: bool):
+    def __init__(self, tables: _Tables, i: int, budget: int | None, limit: int, track_time: bool,
+                 ceiling: float = math.inf):
         self.tables, self.i, self.budget, self.limit = tables, i, budget, limit
+        self.ceiling = ceiling  # regions slower than this cannot be part of a plan worth finding
         self.track_time = track_time  # False: seconds play no part (when minimising the peak)
         self.cap = budget if budget is not None else float("inf")
         self.exact = True
@@ -336,29 +385,46 @@ class _Region:
             copies, future = _resolve_pinned(t, i, o, 0, ())
             start = t.start_base[i] + t.sums[i].saved_self + copies
             forward_first = t.sums[i].forward_inner[o]
-            points.append(_Open(0, 0, copies, future, start, 0, forward_first, self._seconds(i, o), (o,)))
+            if self._seconds(i, o) <= self.ceiling:
+                points.append(_Open(0, 0, copies, future, start, 0, forward_first, self._seconds(i, o), (o,)))
         return self._prune([p for p in points if self._fits(p.need)])
 
     def extend(self, points: list[_Open], p: int) -> list[_Open]:
         """Add stage ``p + 1`` to every open region ``i .. p``."""
         t, i, k = self.tables, self.i, p + 1
         last, here = t.sums[p], t.sums[k]
+        after_base = t.after_base[k] + self.saved_before[p - i] + last.saved_self
+        start_base = t.start_base[k] + self.saved_before[k - i] + here.saved_self
+        forward_bases = [t.fwd_base[k] + here.forward_inner[o2] for o2 in t.options(k)]
+        seconds = [self._seconds(k, o2) for o2 in t.options(k)]
+        extra = here.next_holder_matters
+        cap, budget, unit, ceiling = self.cap, self.budget, t.unit, self.ceiling
+        simple = not t.pinned[k]
         out = []
         for point in points:
             o = point.options[-1]
-            after = t.after_base[k] + self.saved_before[p - i] + last.saved_self + point.copies
+            after = after_base + point.copies
             cached = point.cached + last.cached[o]
+            if cached > cap:
+                continue
             unsaved = point.unsaved + last.unsaved_cached[o]
-            for o2 in t.options(k):
-                copies, future = _resolve_pinned(t, k, o2, point.copies, point.future)
-                start = t.start_base[k] + self.saved_before[k - i] + here.saved_self + copies
-                forward = t.fwd_base[k] + point.cached + last.forward_from_prev[o] + here.forward_inner[o2]
-                need = self._canonical(max(point.need, after, start, forward))
-                if not self._fits(need) or cached > self.cap:
+            carried = point.cached + last.forward_from_prev[o]
+            so_far = max(point.need, after)
+            for o2, forward_base in enumerate(forward_bases):
+                if point.seconds + seconds[o2] > ceiling:
                     continue
-                extra = here.next_holder_matters
+                if simple and not point.future:
+                    copies, future = point.copies, ()
+                else:
+                    copies, future = _resolve_pinned(t, k, o2, point.copies, point.future)
+                forward = forward_base + carried
+                need = max(so_far, start_base + copies, forward)
+                if budget is not None:
+                    if need > budget:
+                        continue
+                    need = budget - (budget - need) // unit * unit  # canonical: the same room for H
                 out.append(_Open(cached, unsaved, copies, future, need, forward if extra else 0, point.forward_first,
-                                 point.seconds + self._seconds(k, o2), point.options + (o2,)))
+                                 point.seconds + seconds[o2], point.options + (o2,)))
         return self._prune(out)
 
     def close(self, points: list[_Open], e: int, kind: str) -> list[_Closed]:
@@ -395,11 +461,12 @@ class _Region:
         return kept
 
 
-def _region_ends(tables: _Tables, i: int, budget: int | None, limit: int, track_time: bool = True):
+def _region_ends(tables: _Tables, i: int, budget: int | None, limit: int, track_time: bool = True,
+                 ceiling: float = math.inf):
     """Yield ``(e, kind, closed regions i .. e)`` for every end ``e`` and following kind, then ``(None, None,
     whether no Pareto front was cut)``."""
     n = tables.problem.num_stages
-    region = _Region(tables, i, budget, limit, track_time)
+    region = _Region(tables, i, budget, limit, track_time, ceiling)
     points = region.first()
     for e in range(i, n):
         if not points:
@@ -441,6 +508,47 @@ def _region_need(tables: _Tables, i: int, how: int, closed: _Closed) -> tuple[in
     return max(forward, after, held + closed.need), held + closed.adds
 
 
+def _region_needs(tables: _Tables, i: int, how: int, closed: list[_Closed]) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`_region_need` of every closed region at once."""
+    pend = tables.pending.get((i, how, "region"), _NOTHING)
+    held = pend.own + pend.held_by_next
+    table = np.array([(c.forward_first, c.need, c.adds) for c in closed], dtype=np.int64).reshape(-1, 3)
+    forward = tables.fwd_base[i] + held + pend.read_only + table[:, 0]
+    after = tables.after_base[i] + pend.own
+    return np.maximum(np.maximum(forward, after), held + table[:, 1]), held + table[:, 2]
+
+
+def _segments(shift: np.ndarray, top: np.ndarray, seconds: np.ndarray, lowest: int):
+    """Per distinct ``shift``, the H ranges ``lo .. hi`` on which one candidate is the fastest of those whose
+    ``top`` (the largest H they allow) reaches there: ``(shift, [(lo, hi, seconds, index), ...])``.
+
+    >>> [(s, [(lo, hi, t, int(j)) for lo, hi, t, j in seg])
+    ...  for s, seg in _segments(np.array([0, 0, 1]), np.array([9, 4, 5]), np.array([2.0, 1.0, 3.0]), 0)]
+    [(0, [(5, 9, 2.0, 0), (0, 4, 1.0, 1)]), (1, [(0, 5, 3.0, 2)])]
+    """
+    order = np.lexsort((seconds, -top, shift))
+    groups: dict[int, list[tuple[int, int, float, int]]] = {}
+    best = np.inf
+    current = None
+    for index in order:
+        s = int(shift[index])
+        if s != current:
+            current, best = s, np.inf
+            groups[s] = []
+        if seconds[index] >= best or top[index] < lowest:
+            continue
+        best = float(seconds[index])
+        segments = groups[s]
+        if segments:  # the previous, slower candidate keeps only the H above this one's top
+            lo, hi, t, j = segments[-1]
+            if lo <= top[index]:
+                segments[-1] = (int(top[index]) + 1, hi, t, j)
+                if segments[-1][0] > hi:
+                    segments.pop()
+        segments.append((lowest, int(top[index]), best, int(index)))
+    return [(s, segments) for s, segments in groups.items() if segments]
+
+
 _BATCH = 1 << 24  # choice codes of batched moves: -(batch number * _BATCH + index in the batch)
 
 
@@ -478,7 +586,7 @@ class _Outer:
                      target: tuple[int, int, str]) -> None:
         """Store stage ``source[0]``: H grows by ``adds`` (rounded up to units); every event needs ``need`` + H."""
         unit = self.tables.unit
-        shift = -(-adds // unit)  # rounded up: H in units never holds less than the bytes it stands for
+        shift = self.tables.units(adds)  # rounded up: H in units never holds less than the bytes it stands for
         top = min((self.budget - need) // unit, self.size - 1 - shift)
         if top < self.lowest[source]:
             return
@@ -494,25 +602,25 @@ class _Outer:
                       target: tuple[int, int, str]) -> None:
         """Relax every closed region of one start, end, following kind and last option at once."""
         unit = self.tables.unit
-        need, adds = np.array([_region_need(self.tables, source[0], source[1], c) for c in closed]).T
-        shift = -(-adds // unit)
+        need, adds = _region_needs(self.tables, source[0], source[1], closed)
+        shift = self.tables.units(adds)
         top = np.minimum((self.budget - need) // unit, self.size - 1 - shift)
         keep = np.flatnonzero(top >= self.lowest[source])
         if not len(keep):
             return
         shift, top = shift[keep], top[keep]
         seconds = np.array([closed[k].seconds for k in keep])
-        low, high = int(shift.min()), int((shift + top).max()) + 1  # the columns any candidate reaches
-        h = np.arange(low, high)[None, :] - shift[:, None]
-        valid = (h >= self.lowest[source]) & (h <= top[:, None])
-        candidates = np.where(valid, np.take(self.times[source], h, mode="clip") + seconds[:, None], np.inf)
-        best = candidates.argmin(axis=0)
-        value = candidates[best, np.arange(high - low)]
         dest, chosen = self._state(target)
-        better = value < dest[low:high]
+        source_times = self.times[source]
         self.batches.append(_Batch(source, shift, [closed[j].options for j in keep], target))
-        dest[low:high][better] = value[better]
-        chosen[low:high][better] = -(len(self.batches) * _BATCH + best[better])  # negative: a batch entry
+        code = -len(self.batches) * _BATCH  # negative: a batch entry
+        for s, segments in _segments(shift, top, seconds, self.lowest[source]):
+            for lo, hi, seconds_here, index in segments:  # H in lo .. hi: the fastest region allowing it
+                candidate = source_times[lo:hi + 1] + seconds_here
+                window = slice(s + lo, s + hi + 1)
+                better = candidate < dest[window]
+                np.copyto(dest[window], candidate, where=better)
+                np.copyto(chosen[window], code - index, where=better)
 
     def sources(self, i: int) -> list[tuple[int, int, str]]:
         """The reachable states at position ``i`` (final once the program is there)."""
@@ -544,12 +652,18 @@ class _Outer:
         return Schedule(tuple(reversed(regions)))
 
 
-def _least_seconds(tables: _Tables, budget: int, limit: int) -> tuple[Schedule | None, bool]:
-    """The time-optimal schedule of the DP's model within ``budget`` (None if none), and whether no front was cut."""
+def _least_seconds(tables: _Tables, budget: int, limit: int, ceiling: float = math.inf,
+                   search: "_Search | None" = None) -> tuple[Schedule | None, bool]:
+    """The time-optimal schedule of the DP's model within ``budget`` (None if none), and whether no front was cut.
+
+    Given a ``ceiling`` (the recompute seconds of a known plan), partial plans already slower are dropped: the
+    result is the same when some plan at most that slow exists, and the work far smaller at loose budgets."""
     n = tables.problem.num_stages
     outer = _Outer(tables, budget)
     exact = True
     for i in range(n):
+        if search is not None:
+            search.check(f"dp: stage {i + 1}/{n}" + (f", ceiling {ceiling:.4g}s" if ceiling < math.inf else ""))
         sources = outer.sources(i)
         for source in [s for s in sources if s[2] == "stored"]:
             for kind in (KINDS if i + 1 < n else (NONE,)):
@@ -558,7 +672,10 @@ def _least_seconds(tables: _Tables, budget: int, limit: int) -> tuple[Schedule |
         region_sources = [s for s in sources if s[2] == "region"]
         if not region_sources:
             continue
-        for e, kind, closed in _region_ends(tables, i, budget, limit):
+        held = min(outer.lowest[s] for s in region_sources)  # H every region starting here adds to
+        fastest = min(float(outer.times[s].min()) for s in region_sources)
+        for e, kind, closed in _region_ends(tables, i, budget - held * tables.unit, limit,
+                                            ceiling=ceiling - fastest):
             if e is None:
                 exact &= closed
                 continue
@@ -668,13 +785,149 @@ def minimum_peak(problem: Problem) -> int:
     return simulate(problem, minimum_peak_schedule(problem)).peak_bytes
 
 
-def solve_dp(problem: Problem, budget_bytes: int, *, buckets: int = 2000, front_limit: int | None = None) -> Plan:
-    """The schedule with the least recompute time within ``budget_bytes``, by dynamic programming.
+def chain_relaxation(problem: Problem) -> Problem:
+    """A chain on which every schedule peaks no higher than on ``problem``: its optimum is a lower bound.
 
-    Status ``OPTIMAL`` on chains when no byte count needed rounding and no Pareto front was cut (see the module
-    docstring), else ``FEASIBLE``. ``front_limit`` caps the Pareto points kept per inner state (default: all of
-    them up to 256, fewer on long problems to bound the time). Raises :class:`~planner.errors.InfeasibleBudgetError` with the smallest achievable peak when no
-    schedule fits.
+    A tensor read or saved past the next stage is dropped; the forward bytes it occupies whatever the schedule
+    (from its producer to its last forward reader) move into those stages' forward workspaces. Model outputs
+    lose their readers, which changes nothing (the caller holds them throughout). On a chain it returns
+    ``problem`` itself.
+
+    >>> from planner.problem import Problem, Stage, TensorInfo
+    >>> stages = tuple(Stage(f"s{i}", 1.0, 2.0) for i in range(3))
+    >>> mask = TensorInfo("mask", 8, 0, frozenset({1, 2}), frozenset({2}))
+    >>> relaxed = chain_relaxation(Problem(stages, (mask,)))
+    >>> relaxed.is_chain(), [s.forward_workspace_bytes for s in relaxed.stages], relaxed.tensors
+    (True, [8, 8, 8], ())
+    """
+    if problem.is_chain():
+        return problem
+    extra = [0] * problem.num_stages
+    kept = []
+    for t in problem.tensors:
+        if t.is_output:
+            kept.append(dataclasses.replace(t, consumers=frozenset()))
+        elif _is_local(t):
+            kept.append(t)
+        elif t.last_forward_use > t.producer:
+            for k in range(t.producer, t.last_forward_use + 1):
+                extra[k] += t.nbytes
+    stages = tuple(dataclasses.replace(s, forward_workspace_bytes=s.forward_workspace_bytes + extra[k],
+                                       recompute_workspace_bytes=s.recompute_workspace)
+                   for k, s in enumerate(problem.stages))
+    return dataclasses.replace(problem, stages=stages, tensors=tuple(kept), name=f"{problem.name} (chain relaxation)")
+
+
+class SolverTimeout(Exception):
+    """Raised inside the dynamic program when its deadline passes."""
+
+
+@dataclass(frozen=True)
+class _Search:
+    """What every pass of the program shares: the budget, discretisation, front limit, deadline, progress."""
+
+    budget: int
+    buckets: int
+    limit: int
+    deadline: float | None = None
+    progress: Callable[[str], None] | None = None
+
+    def check(self, message: str) -> None:
+        if self.deadline is not None and time.perf_counter() > self.deadline:
+            raise SolverTimeout(message)
+        if self.progress is not None:
+            self.progress(message)
+
+
+def _first_ceiling(problem: Problem) -> float:
+    """The fastest single recomputation: no plan that recomputes anything is faster."""
+    positive = [o.recompute_seconds for stage in problem.stages for o in stage.recompute_options
+                if o.recompute_seconds > 0]
+    return min(positive, default=0.0)
+
+
+def _upper(problem: Problem, search: _Search) -> tuple[Schedule | None, bool]:
+    """The program's fastest schedule within the budget (rounding up: never over the budget on chains).
+
+    Passes keep only partial plans within a ceiling on recompute seconds, growing threefold: early passes (and
+    the one that succeeds at loose budgets) are cheap. A pass whose plan is within its ceiling found the optimum
+    (no partial plan of a faster one was dropped); a plan over it still bounds the optimum, so it becomes the
+    next ceiling."""
+    unit, exact_unit = _unit(problem, search.budget, search.buckets)
+    tables = _tables(problem, unit)
+    ceiling = _first_ceiling(problem) * (1 + 1e-9)
+    slowest = sum(max(o.recompute_seconds for o in stage.recompute_options) for stage in problem.stages)
+    while True:
+        if ceiling > slowest:
+            ceiling = math.inf  # as good as none, and the pass that follows is the last
+        schedule, complete = _least_seconds(tables, search.budget, search.limit, ceiling, search)
+        if schedule is None and ceiling == math.inf:
+            return None, False
+        seconds = math.inf if schedule is None else simulate(problem, schedule).recompute_seconds
+        if seconds <= ceiling:
+            return schedule, complete and exact_unit and problem.is_chain()
+        ceiling = min(ceiling * 3 if ceiling > 0 else math.inf, seconds * (1 + 1e-9))
+
+
+def lower_bound(problem: Problem, budget_bytes: int, *, ceiling: float = math.inf, buckets: int = 2000,
+                deadline: float | None = None) -> float | None:
+    """A proven lower bound on the recompute seconds of every schedule of ``problem`` within ``budget_bytes``.
+
+    The program runs on :func:`chain_relaxation` with byte counts rounded *down* and no Pareto front cut: every
+    schedule fits there when it fits ``problem``, so the fastest it finds is no slower than the true optimum.
+    Returns ``ceiling`` when no schedule within ``ceiling`` seconds fits (pass a known plan's seconds to bound the
+    work), and None when ``deadline`` passes first.
+
+    >>> from planner.problem import Problem, Stage, TensorInfo
+    >>> stages = tuple(Stage(f"s{i}", 1.0, 2.0) for i in range(4))
+    >>> inner = tuple(TensorInfo(f"a{i}", 100, i, frozenset({i}), frozenset({i})) for i in range(4))
+    >>> edges = tuple(TensorInfo(f"x{i}", 10, i, frozenset({i + 1}), frozenset({i + 1})) for i in range(3))
+    >>> lower_bound(Problem(stages, inner + edges), 250)
+    2.0
+    """
+    relaxed = chain_relaxation(problem)
+    unit, _ = _unit(relaxed, budget_bytes, buckets)
+    search = _Search(budget_bytes, buckets, 1 << 62, deadline)
+    try:
+        schedule, _ = _least_seconds(_tables(relaxed, unit, optimistic=True), budget_bytes, search.limit,
+                                     ceiling, search)
+    except SolverTimeout:
+        return None
+    if schedule is None:
+        return ceiling
+    return simulate(relaxed, schedule).recompute_seconds
+
+
+def relative_gap(seconds: float, bound: float | None) -> float | None:
+    """``(seconds - bound) / seconds``, 0 when both are 0; None without a bound.
+
+    >>> relative_gap(2.0, 1.5), relative_gap(0.0, 0.0), relative_gap(1.0, None)
+    (0.25, 0.0, None)
+    """
+    if bound is None:
+        return None
+    if seconds <= 0:
+        return 0.0
+    return max(0.0, (seconds - bound) / seconds)
+
+
+GAP_TOLERANCE = 1e-9  # gaps below this are rounding in the float sums: reported as optimal
+
+
+def solve_dp(problem: Problem, budget_bytes: int, *, buckets: int = 2000, front_limit: int | None = None,
+             time_limit: float | None = None, progress: Callable[[str], None] | None = None,
+             bound: bool = True, target_gap: float = 0.01, refinements: int = 2) -> Plan:
+    """The schedule with the least recompute time within ``budget_bytes``, by dynamic programming, with its
+    optimality gap against :func:`lower_bound`.
+
+    The plan's ``gap`` is proven: the lower bound is the optimum of a relaxation. Status ``OPTIMAL`` when the gap
+    is zero, else ``FEASIBLE``. ``front_limit`` caps the Pareto points kept per inner state of the search for a
+    plan (default: all of them up to 256, fewer on long problems); the bound never cuts. ``time_limit`` (seconds)
+    stops the search: the best plan found so far is returned (a baseline if none), with the gap when the bound
+    finished; ``progress`` receives a line per stage. ``bound=False`` skips the bound (gap None unless exact).
+    While the gap exceeds ``target_gap`` (rounding to ``buckets`` steps of memory is what usually opens it), up
+    to ``refinements`` more rounds run with four times finer steps, keeping the best plan and bound.
+    Raises :class:`~planner.errors.InfeasibleBudgetError` with the smallest achievable peak when no schedule fits.
 
     >>> from planner.problem import Problem, Stage, TensorInfo
     >>> problem = Problem((Stage("a", 1.0, 2.0),), (TensorInfo("x", 100, 0, savers=frozenset({0})),),
@@ -685,28 +938,73 @@ def solve_dp(problem: Problem, budget_bytes: int, *, buckets: int = 2000, front_
     planner.errors.InfeasibleBudgetError: budget 1.03 KiB is below the smallest peak any plan reaches, 1.07 KiB ...
     """
     started = time.perf_counter()
+    deadline = None if time_limit is None else started + time_limit
 
-    def plan(schedule: Schedule, status: SolverStatus) -> Plan:
-        return Plan.from_schedule(problem, schedule, solver="dp", status=status,
-                                  gap=0.0 if status == SolverStatus.OPTIMAL else None,
+    def plan(schedule: Schedule, lower: float | None, exact: bool = False) -> Plan:
+        seconds = simulate(problem, schedule).recompute_seconds
+        gap = 0.0 if exact else relative_gap(seconds, lower)
+        status = SolverStatus.OPTIMAL if gap is not None and gap <= GAP_TOLERANCE else SolverStatus.FEASIBLE
+        return Plan.from_schedule(problem, schedule, solver="dp", status=status, gap=gap,
+                                  lower_bound_seconds=seconds if exact else lower,
                                   solve_seconds=time.perf_counter() - started, budget_bytes=budget_bytes)
 
     if simulate(problem, store_all(problem)).peak_bytes <= budget_bytes:
-        return plan(store_all(problem), SolverStatus.OPTIMAL)
+        return plan(store_all(problem), 0.0)
     if budget_bytes <= 0:
         raise infeasible_budget_error(problem, budget_bytes, minimum_peak_schedule(problem))
-    target = budget_bytes
+    search = _Search(budget_bytes, buckets, front_limit or _front_limit(problem), deadline, progress)
+    try:
+        schedule, exact = _within_budget(problem, search)
+    except SolverTimeout:
+        schedule, exact = _best_baseline(problem, budget_bytes), False
+        if schedule is None:
+            raise PlannerError(f"the dynamic program found no plan within its time limit of {time_limit:g}s",
+                               hint="raise time_limit, or use solver='ilp'") from None
+        return plan(schedule, None)
+    seconds = simulate(problem, schedule).recompute_seconds
+    lower = None
+    for round_ in range(refinements + 1 if bound and not exact else 0):
+        if round_:
+            search = dataclasses.replace(search, buckets=search.buckets * 4)
+            try:
+                finer, exact = _within_budget(problem, search)
+            except SolverTimeout:
+                break
+            if simulate(problem, finer).recompute_seconds < seconds:
+                schedule, seconds = finer, simulate(problem, finer).recompute_seconds
+            if exact:
+                break
+        found = lower_bound(problem, budget_bytes, ceiling=seconds * (1 + 1e-9), buckets=search.buckets,
+                            deadline=deadline)
+        lower = found if lower is None or (found is not None and found > lower) else lower
+        if lower is None or (relative_gap(seconds, lower) or 0.0) <= target_gap:
+            break
+        if _unit(problem, budget_bytes, search.buckets)[1] and \
+                _unit(chain_relaxation(problem), budget_bytes, search.buckets)[1]:
+            break  # nothing was rounded: finer steps change nothing
+    return plan(schedule, lower, exact)
+
+
+def _within_budget(problem: Problem, search: _Search) -> tuple[Schedule, bool]:
+    """The program's plan, checked with ``simulate`` (tightening the budget if its model ever under-estimated),
+    or the least-peak schedule when rounding hid every plan; raises when no schedule fits at all."""
+    target = search.budget
     for attempt in range(3):  # the model over-estimates memory, so one pass suffices; tighten if it ever does not
-        unit, exact_unit = _unit(problem, target, buckets)
-        schedule, complete = _least_seconds(_tables(problem, unit), target, front_limit or _front_limit(problem))
+        schedule, exact = _upper(problem, dataclasses.replace(search, budget=target))
         if schedule is None:
             break
         peak = simulate(problem, schedule).peak_bytes
-        if peak <= budget_bytes:
-            exact = exact_unit and complete and problem.is_chain() and attempt == 0
-            return plan(schedule, SolverStatus.OPTIMAL if exact else SolverStatus.FEASIBLE)
-        target -= peak - budget_bytes
+        if peak <= search.budget:
+            return schedule, exact and attempt == 0
+        target -= peak - search.budget
     minimum = minimum_peak_schedule(problem)
-    if simulate(problem, minimum).peak_bytes > budget_bytes:
-        raise infeasible_budget_error(problem, budget_bytes, minimum)
-    return plan(minimum, SolverStatus.FEASIBLE)  # rounding or a non-chain hid every plan the DP could see
+    if simulate(problem, minimum).peak_bytes > search.budget:
+        raise infeasible_budget_error(problem, search.budget, minimum)
+    return minimum, False  # rounding or a non-chain hid every plan the program could see
+
+
+def _best_baseline(problem: Problem, budget_bytes: int) -> Schedule | None:
+    """The fastest baseline schedule within the budget, if any (what a timed-out search falls back to)."""
+    candidates = (uniform(problem), chen_sqrt(problem), fewest_blocks(problem, budget_bytes))
+    fitting = [s for s in candidates if s is not None and simulate(problem, s).peak_bytes <= budget_bytes]
+    return min(fitting, key=lambda s: simulate(problem, s).recompute_seconds, default=None)

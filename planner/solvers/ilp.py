@@ -500,12 +500,14 @@ def _check_encoding(encoding: Encoding, schedule: Schedule) -> int:
     return peak
 
 
-def solve_ilp(problem: Problem, budget_bytes: int, *, time_limit: float = 60.0, gap: float = 0.0) -> Plan:
+def solve_ilp(problem: Problem, budget_bytes: int, *, time_limit: float = 60.0, gap: float = 0.0,
+              warm: Schedule | None = None) -> Plan:
     """The schedule with the least recompute time whose simulated peak fits ``budget_bytes``.
 
     Status ``OPTIMAL`` when the solver proves it, ``FEASIBLE`` when ``time_limit`` seconds ran out (or ``gap`` > 0
     stopped it) with a schedule in hand; ``gap`` in the plan is then the relative distance to the best bound, or
-    None where the solver does not report one. Raises :class:`~planner.errors.InfeasibleBudgetError` (with the
+    None where the solver does not report one (``lower_bound_seconds`` likewise). ``warm`` is a schedule to start
+    from (default: the fewest-blocks baseline); it must fit the budget to help. Raises :class:`~planner.errors.InfeasibleBudgetError` (with the
     smallest achievable peak) when no schedule fits, and :class:`~planner.errors.PlannerError` when the time ran
     out before any schedule was found.
 
@@ -520,11 +522,13 @@ def solve_ilp(problem: Problem, budget_bytes: int, *, time_limit: float = 60.0, 
     started = time.perf_counter()
     if simulate(problem, store_all(problem)).peak_bytes <= budget_bytes:
         return Plan.from_schedule(problem, store_all(problem), solver="ilp", status=SolverStatus.OPTIMAL, gap=0.0,
-                                  solve_seconds=time.perf_counter() - started, budget_bytes=budget_bytes)
+                                  lower_bound_seconds=0.0, solve_seconds=time.perf_counter() - started, budget_bytes=budget_bytes)
     target = budget_bytes
     for _ in range(4):  # tighten when solver tolerances let a solution exceed the budget by a few bytes
         encoding = _budget_model(problem, target)
-        outcome = _solve_model(encoding, time_limit, gap, fewest_blocks(problem, target))
+        start = warm if warm is not None and simulate(problem, warm).peak_bytes <= target \
+            else fewest_blocks(problem, target)
+        outcome = _solve_model(encoding, time_limit, gap, start)
         if outcome.infeasible:
             raise infeasible_budget_error(problem, budget_bytes, min_peak_schedule(problem, time_limit=time_limit)[0])
         if outcome.schedule is None:
@@ -533,8 +537,10 @@ def solve_ilp(problem: Problem, budget_bytes: int, *, time_limit: float = 60.0, 
         peak = _check_encoding(encoding, outcome.schedule)
         if peak <= budget_bytes:
             status = SolverStatus.OPTIMAL if outcome.proven else SolverStatus.FEASIBLE
-            return Plan.from_schedule(problem, outcome.schedule, solver="ilp", status=status,
-                                      gap=0.0 if outcome.proven else outcome.gap,
+            relative = 0.0 if outcome.proven else outcome.gap
+            seconds = simulate(problem, outcome.schedule).recompute_seconds
+            return Plan.from_schedule(problem, outcome.schedule, solver="ilp", status=status, gap=relative,
+                                      lower_bound_seconds=None if relative is None else seconds * (1 - relative),
                                       solve_seconds=time.perf_counter() - started, budget_bytes=budget_bytes)
         target -= peak - target
     raise RuntimeError("internal error: the ILP kept returning plans above the budget")
