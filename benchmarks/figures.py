@@ -1,4 +1,5 @@
-"""The README's pictures, drawn from a real run: ``docs/timeline.png``, ``docs/frontier.png`` and ``docs/stages.png``.
+"""The README's pictures, drawn from a real run: ``docs/timeline.png``, ``docs/frontier.png`` (its points in
+``docs/frontier.json``) and ``docs/stages.png``.
 
     python -m benchmarks.figures                 # GPT-2 "demo" size, torch.compile points included (minutes)
     python -m benchmarks.figures --size test --no-compile
@@ -12,6 +13,8 @@ and prints the numbers behind them.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import time
 from pathlib import Path
 
@@ -61,6 +64,8 @@ def main(argv=None) -> None:
     for p in points:
         print(f"{p.method.value:14s} {p.setting:32s} peak {format_bytes(p.peak_bytes):>11s}  "
               f"overhead {p.overhead:+6.1%}{'  (measured)' if p.measured else ''}")
+    (args.out / "frontier.json").write_text(json.dumps(
+        [{**dataclasses.asdict(p), "method": p.method.value} for p in points], indent=1) + "\n")
     figure = plot_frontier(points, budget_bytes=opt.plan.budget_bytes)
     figure.axes[0].set_title(f"GPT-2 ({args.size}): peak memory vs extra step time", fontsize=10)
     figure.savefig(args.out / "frontier.png", dpi=90)

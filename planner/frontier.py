@@ -14,8 +14,9 @@ budget 1.0. Compiling takes seconds to a minute per setting.
 >>> edges = tuple(TensorInfo(f"x{i}", 10, i, frozenset({i + 1}), frozenset({i + 1})) for i in range(3))
 >>> points = planner_frontier(Problem(stages, inner + edges), shares=(0.0, 1.0))
 >>> [(p.method.value, p.setting, p.peak_bytes, round(p.overhead, 3)) for p in points]  # doctest: +NORMALIZE_WHITESPACE
-[('eager', 'store all', 430, 0.0), ('uniform', 'every stage', 130, 0.333), ('chen_sqrt', 'sqrt(n) segments', 220, 0.167),
- ('planner', 'budget 130 B', 130, 0.25), ('planner', 'budget 430 B', 430, 0.0)]
+[('eager', 'store all', 430, 0.0), ('uniform', 'every stage', 130, 0.333),
+ ('chen_sqrt', 'sqrt(n) segments', 220, 0.167), ('planner', 'budget 130 B', 130, 0.25),
+ ('planner', 'budget 220 B', 220, 0.167), ('planner', 'budget 430 B', 430, 0.0)]
 """
 
 from __future__ import annotations
@@ -74,7 +75,7 @@ def _predicted(problem: Problem, schedule: Schedule, method: Method, setting: st
 def planner_frontier(problem: Problem, shares: Sequence[float] = SHARES, *,
                      solver: str = "auto") -> list[FrontierPoint]:
     """Predicted points: eager, uniform checkpointing, Chen's sqrt(n), and the planner at budgets ``shares`` of
-    the way from the smallest feasible peak (0.0) to the eager peak (1.0)."""
+    the way from the smallest feasible peak (0.0) to the eager peak (1.0) and at each baseline's peak."""
     from .solvers.baselines import chen_sqrt, uniform
 
     n = problem.num_stages
@@ -82,8 +83,9 @@ def planner_frontier(problem: Problem, shares: Sequence[float] = SHARES, *,
               _predicted(problem, uniform(problem), Method.UNIFORM, "every stage"),
               _predicted(problem, chen_sqrt(problem), Method.CHEN_SQRT, "sqrt(n) segments")]
     eager, smallest = points[0].peak_bytes, solvers.minimum_peak(problem)
-    for share in shares:
-        budget = int(smallest + share * (eager - smallest))
+    budgets = {int(smallest + share * (eager - smallest)) for share in shares}
+    budgets |= {p.peak_bytes for p in points[1:] if smallest <= p.peak_bytes < eager}  # at each baseline's memory
+    for budget in sorted(budgets):
         try:
             plan = solvers.solve(problem, budget, method=solver)
         except InfeasibleBudgetError:
@@ -114,7 +116,7 @@ def _fastest(step: Callable[[], None], repeats: int) -> float:
 
 def compile_frontier(model: torch.nn.Module, example_inputs: tuple, example_kwargs: dict | None = None, *,
                      loss_fn: Callable[[Any], torch.Tensor] | None = None,
-                     ratios: Sequence[float] = COMPILE_RATIOS, repeats: int = 3) -> list[FrontierPoint]:
+                     ratios: Sequence[float] = COMPILE_RATIOS, repeats: int = 5) -> list[FrontierPoint]:
     """Measured points of ``torch.compile(copy of model)`` at each ``activation_memory_budget`` in ``ratios``.
 
     Peaks count the parameters, buffers and inputs plus what the CPU allocator holds during one step; overheads

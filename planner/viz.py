@@ -197,6 +197,9 @@ def plot_frontier(points: Sequence[FrontierPoint], *, ax: "Axes | None" = None,
                   budget_bytes: int | None = None) -> "Figure":
     """Peak memory (x) against extra step time (y), one series per method; hollow markers are measured.
 
+    The planner's points are joined as a staircase: the least overhead it predicts within a given memory.
+    ``torch.compile`` points are labelled with their ``activation_memory_budget``.
+
     Parameters
     ----------
     points : from :func:`planner.frontier.planner_frontier` and :func:`planner.frontier.compile_frontier`.
@@ -229,8 +232,12 @@ def plot_frontier(points: Sequence[FrontierPoint], *, ax: "Axes | None" = None,
         measured = all(p.measured for p in series)
         ax.plot([_mib(p.peak_bytes) for p in series], [100 * p.overhead for p in series], marker=marker,
                 color=color, label=method.value + (" (measured)" if measured else ""),
-                markerfacecolor="white" if measured else color,
-                linestyle="-" if method in (Method.PLANNER, Method.TORCH_COMPILE) else "none")
+                markerfacecolor="white" if measured else color, drawstyle="steps-post",
+                linestyle="-" if method is Method.PLANNER else "none")
+        if method is Method.TORCH_COMPILE:
+            for p in series:
+                ax.annotate(p.setting.split("=")[-1], (_mib(p.peak_bytes), 100 * p.overhead), fontsize=7,
+                            textcoords="offset points", xytext=(4, -10), color=color)
     if budget_bytes:
         ax.axvline(_mib(budget_bytes), color=COLORS["budget"], linewidth=1, linestyle=":")
     ax.set_xlabel("peak memory of one step (MiB)")
