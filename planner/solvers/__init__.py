@@ -62,15 +62,19 @@ def solve(problem: Problem, budget_bytes: int, method: str = "auto", **options) 
 ILP_STAGES = 40  # the exact ILP closes the DP's gap on problems up to this many stages (see benchmarks)
 
 
-def _solve_auto(problem: Problem, budget_bytes: int, *, time_limit: float | None = None,
+AUTO_TIME_LIMIT = 60.0  # seconds auto spends at most by default: then the best plan, with its proven gap
+
+
+def _solve_auto(problem: Problem, budget_bytes: int, *, time_limit: float | None = AUTO_TIME_LIMIT,
                 progress: Callable[[str], None] | None = None, ilp_stages: int = ILP_STAGES,
                 target_gap: float = 0.01, **dp_options) -> Plan:
-    """The DP with its proven gap; when the gap is open (non-chains, coarse rounding) and the problem is small
-    enough, the ILP starts from the DP's plan, and the plan keeps the better schedule and the better bound."""
+    """The DP with its proven gap; when the gap is above ``target_gap`` (non-chains, coarse rounding) and the
+    problem is small enough, the ILP starts from the DP's plan, and the plan keeps the better schedule and the
+    better bound."""
     started = time.perf_counter()
     plan = solve_dp(problem, budget_bytes, time_limit=time_limit, progress=progress, target_gap=target_gap,
                     **dp_options)
-    if plan.status is SolverStatus.OPTIMAL or problem.num_stages > ilp_stages:
+    if plan.gap is not None and plan.gap <= target_gap or problem.num_stages > ilp_stages:
         return plan
     remaining = 60.0 if time_limit is None else time_limit - (time.perf_counter() - started)
     if remaining < 1.0:

@@ -50,7 +50,7 @@ import numpy as np
 from ..errors import PlannerError
 from ..plan import Plan, SolverStatus
 from ..problem import Problem, Region, Schedule, TensorInfo, simulate
-from .baselines import chen_sqrt, fewest_blocks, infeasible_budget_error, store_all, uniform
+from .baselines import chen_sqrt, infeasible_budget_error, store_all, uniform
 from .ilp import unheld_forward_until
 
 STORED = -1  # how a stage ran, in place of an option index
@@ -200,6 +200,13 @@ def _quantized(sums: _StageSums, unit: int, optimistic: bool) -> _StageSums:
     caches differ by less than a unit then compete on time alone, which keeps the Pareto fronts small."""
     def whole(nbytes: int) -> int:
         return (nbytes // unit if optimistic else -(-nbytes // unit)) * unit
+    if optimistic:  # a relaxation may under-count freely: the recomputation's unsaved caches and a region's
+        # first forward are taken at their least over the options, which keeps the bound's fronts small
+        least = {kind: min(sums.forward_end[o, kind] for o in range(len(sums.cached))) for kind in (*KINDS, NONE)}
+        return dataclasses.replace(sums, cached=tuple(map(whole, sums.cached)),
+                                   unsaved_cached=(0,) * len(sums.cached),
+                                   forward_inner=(min(sums.forward_inner),) * len(sums.cached),
+                                   forward_end={key: least[key[1]] for key in sums.forward_end})
     return dataclasses.replace(sums, cached=tuple(map(whole, sums.cached)),
                                unsaved_cached=tuple(map(whole, sums.unsaved_cached)))
 
@@ -398,7 +405,7 @@ class _Region:
         forward_bases = [t.fwd_base[k] + here.forward_inner[o2] for o2 in t.options(k)]
         seconds = [self._seconds(k, o2) for o2 in t.options(k)]
         extra = here.next_holder_matters
-        cap, budget, unit, ceiling = self.cap, self.budget, t.unit, self.ceiling
+        cap, budget, unit, ceiling, lean = self.cap, self.budget, t.unit, self.ceiling, t.optimistic
         simple = not t.pinned[k]
         out = []
         for point in points:
@@ -423,7 +430,8 @@ class _Region:
                     if need > budget:
                         continue
                     need = budget - (budget - need) // unit * unit  # canonical: the same room for H
-                out.append(_Open(cached, unsaved, copies, future, need, forward if extra else 0, point.forward_first,
+                out.append(_Open(cached, unsaved, copies, future, need, forward if extra and not lean else 0,
+                                 point.forward_first,
                                  point.seconds + seconds[o2], point.options + (o2,)))
         return self._prune(out)
 
@@ -462,7 +470,7 @@ class _Region:
 
 
 def _region_ends(tables: _Tables, i: int, budget: int | None, limit: int, track_time: bool = True,
-                 ceiling: float = math.inf):
+                 ceiling: float = math.inf, search: "_Search | None" = None):
     """Yield ``(e, kind, closed regions i .. e)`` for every end ``e`` and following kind, then ``(None, None,
     whether no Pareto front was cut)``."""
     n = tables.problem.num_stages
@@ -471,6 +479,11 @@ def _region_ends(tables: _Tables, i: int, budget: int | None, limit: int, track_
     for e in range(i, n):
         if not points:
             break
+        if search is not None:
+            search.check_time()
+            if search.longest_region is not None and e - i >= search.longest_region:
+                region.exact = False  # longer regions were not considered
+                break
         for kind in (KINDS if e + 1 < n else (NONE,)):
             yield e, kind, region.close(points, e, kind)
         if e + 1 < n:
@@ -675,7 +688,7 @@ def _least_seconds(tables: _Tables, budget: int, limit: int, ceiling: float = ma
         held = min(outer.lowest[s] for s in region_sources)  # H every region starting here adds to
         fastest = min(float(outer.times[s].min()) for s in region_sources)
         for e, kind, closed in _region_ends(tables, i, budget - held * tables.unit, limit,
-                                            ceiling=ceiling - fastest):
+                                            ceiling=ceiling - fastest, search=search):
             if e is None:
                 exact &= closed
                 continue
@@ -831,12 +844,16 @@ class _Search:
     limit: int
     deadline: float | None = None
     progress: Callable[[str], None] | None = None
+    longest_region: int | None = None  # stages; None: any (a bound's search must not cap them)
 
     def check(self, message: str) -> None:
-        if self.deadline is not None and time.perf_counter() > self.deadline:
-            raise SolverTimeout(message)
+        self.check_time(message)
         if self.progress is not None:
             self.progress(message)
+
+    def check_time(self, message: str = "") -> None:
+        if self.deadline is not None and time.perf_counter() > self.deadline:
+            raise SolverTimeout(message)
 
 
 def _first_ceiling(problem: Problem) -> float:
@@ -846,26 +863,56 @@ def _first_ceiling(problem: Problem) -> float:
     return min(positive, default=0.0)
 
 
+SHORT_REGIONS = 2  # stages per region in the quick first search of long problems
+LONG_PROBLEM = 16  # stages from which the quick search runs first
+
+
 def _upper(problem: Problem, search: _Search) -> tuple[Schedule | None, bool]:
     """The program's fastest schedule within the budget (rounding up: never over the budget on chains).
 
-    Passes keep only partial plans within a ceiling on recompute seconds, growing threefold: early passes (and
-    the one that succeeds at loose budgets) are cheap. A pass whose plan is within its ceiling found the optimum
-    (no partial plan of a faster one was dropped); a plan over it still bounds the optimum, so it becomes the
-    next ceiling."""
+    On long problems a quick search with regions of at most ``SHORT_REGIONS`` stages runs first; its plan's
+    seconds are the first ceiling of the full search, which gets half the time left (its plan is kept when the
+    full search runs out of time)."""
+    if problem.num_stages < LONG_PROBLEM or search.longest_region is not None:
+        return _passes(problem, search, _first_ceiling(problem))
+    quick, _ = _passes(problem, dataclasses.replace(search, longest_region=SHORT_REGIONS), _first_ceiling(problem))
+    if quick is None:
+        return _passes(problem, search, _first_ceiling(problem))
+    deadline = search.deadline
+    if deadline is not None:
+        deadline = time.perf_counter() + (deadline - time.perf_counter()) / 2
+    try:
+        return _passes(problem, dataclasses.replace(search, deadline=deadline),
+                       simulate(problem, quick).recompute_seconds)
+    except SolverTimeout:
+        return quick, False
+
+
+def _passes(problem: Problem, search: _Search, first_ceiling: float) -> tuple[Schedule | None, bool]:
+    """Passes that keep only partial plans within a ceiling on recompute seconds, growing threefold: early passes
+    (and the one that succeeds at loose budgets) are cheap. A pass whose plan is within its ceiling found the
+    optimum (no partial plan of a faster one was dropped); a plan over it still bounds the optimum, so it becomes
+    the next ceiling."""
     unit, exact_unit = _unit(problem, search.budget, search.buckets)
     tables = _tables(problem, unit)
-    ceiling = _first_ceiling(problem) * (1 + 1e-9)
+    ceiling = first_ceiling * (1 + 1e-9)
     slowest = sum(max(o.recompute_seconds for o in stage.recompute_options) for stage in problem.stages)
+    best: Schedule | None = None  # a plan over its pass's ceiling: not proven fastest, but a plan
     while True:
         if ceiling > slowest:
             ceiling = math.inf  # as good as none, and the pass that follows is the last
-        schedule, complete = _least_seconds(tables, search.budget, search.limit, ceiling, search)
+        try:
+            schedule, complete = _least_seconds(tables, search.budget, search.limit, ceiling, search)
+        except SolverTimeout:
+            if best is None:
+                raise
+            return best, False
         if schedule is None and ceiling == math.inf:
             return None, False
         seconds = math.inf if schedule is None else simulate(problem, schedule).recompute_seconds
         if seconds <= ceiling:
             return schedule, complete and exact_unit and problem.is_chain()
+        best = schedule
         ceiling = min(ceiling * 3 if ceiling > 0 else math.inf, seconds * (1 + 1e-9))
 
 
@@ -985,9 +1032,58 @@ def solve_dp(problem: Problem, budget_bytes: int, *, buckets: int = 2000, front_
     return plan(schedule, lower, exact)
 
 
+PINNED_LIMIT = 16  # far-reaching tensors the program tracks one by one; beyond, it plans on chain_restriction
+
+
+def chain_restriction(problem: Problem) -> Problem:
+    """A chain on which every schedule peaks at least as high as on ``problem``: a plan that fits it fits
+    ``problem`` (the partner of :func:`chain_relaxation`, for problems with many far-reaching tensors).
+
+    A tensor read or saved past the next stage is dropped, and counted instead as alive from its producer to the
+    end of the forward, and twice (the tensor and a recomputed copy) in every backward event from its producer
+    down; nothing holds it before its producer. On a chain it returns ``problem`` itself.
+
+    >>> from planner.problem import Problem, Stage, TensorInfo
+    >>> stages = tuple(Stage(f"s{i}", 1.0, 2.0) for i in range(3))
+    >>> skip = TensorInfo("skip", 8, 0, frozenset({2}), frozenset({2}))
+    >>> tight = chain_restriction(Problem(stages, (skip,)))
+    >>> tight.is_chain(), [s.forward_workspace_bytes for s in tight.stages], tight.stages[1].backward_workspace_bytes
+    (True, [8, 8, 8], 16)
+    """
+    if problem.is_chain():
+        return problem
+    forward = [0] * problem.num_stages
+    backward = [0] * problem.num_stages
+    kept = []
+    for t in problem.tensors:
+        if t.is_output:
+            kept.append(dataclasses.replace(t, consumers=frozenset()))
+        elif _is_local(t):
+            kept.append(t)
+        else:
+            for k in range(t.producer, problem.num_stages):
+                forward[k] += t.nbytes
+                backward[k] += 2 * t.nbytes
+    stages = tuple(dataclasses.replace(
+        s, forward_workspace_bytes=s.forward_workspace_bytes + forward[k], recompute_workspace_bytes=s.recompute_workspace,
+        backward_workspace_bytes=s.backward_workspace_bytes + backward[k],
+        backward_start_workspace_bytes=s.backward_start_workspace_bytes + backward[k],
+        output_grad_bytes=s.output_grad_bytes + backward[k]) for k, s in enumerate(problem.stages))
+    return dataclasses.replace(problem, stages=stages, tensors=tuple(kept), name=f"{problem.name} (chain restriction)")
+
+
+def _far_reaching(problem: Problem) -> int:
+    return sum(1 for t in problem.tensors if not t.is_output and not _is_local(t))
+
+
 def _within_budget(problem: Problem, search: _Search) -> tuple[Schedule, bool]:
     """The program's plan, checked with ``simulate`` (tightening the budget if its model ever under-estimated),
-    or the least-peak schedule when rounding hid every plan; raises when no schedule fits at all."""
+    or the least-peak schedule when rounding hid every plan; raises when no schedule fits at all. Problems with
+    more than ``PINNED_LIMIT`` far-reaching tensors are planned on :func:`chain_restriction`."""
+    if _far_reaching(problem) > PINNED_LIMIT:
+        schedule, _ = _upper(chain_restriction(problem), search)
+        if schedule is not None and simulate(problem, schedule).peak_bytes <= search.budget:
+            return schedule, False
     target = search.budget
     for attempt in range(3):  # the model over-estimates memory, so one pass suffices; tighten if it ever does not
         schedule, exact = _upper(problem, dataclasses.replace(search, budget=target))
@@ -1005,6 +1101,6 @@ def _within_budget(problem: Problem, search: _Search) -> tuple[Schedule, bool]:
 
 def _best_baseline(problem: Problem, budget_bytes: int) -> Schedule | None:
     """The fastest baseline schedule within the budget, if any (what a timed-out search falls back to)."""
-    candidates = (uniform(problem), chen_sqrt(problem), fewest_blocks(problem, budget_bytes))
+    candidates = (uniform(problem), chen_sqrt(problem))
     fitting = [s for s in candidates if s is not None and simulate(problem, s).peak_bytes <= budget_bytes]
     return min(fitting, key=lambda s: simulate(problem, s).recompute_seconds, default=None)
