@@ -41,7 +41,7 @@ import bisect
 import dataclasses
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import reduce
 from typing import Callable, NamedTuple
 
@@ -845,6 +845,8 @@ class _Search:
     deadline: float | None = None
     progress: Callable[[str], None] | None = None
     longest_region: int | None = None  # stages; None: any (a bound's search must not cap them)
+    bound_for: Problem | None = None  # the problem a coarse bound is wanted for, on long time-limited searches
+    found: dict = field(default_factory=dict, compare=False)  # what a search found on the way (the coarse bound)
 
     def check(self, message: str) -> None:
         self.check_time(message)
@@ -863,6 +865,7 @@ def _first_ceiling(problem: Problem) -> float:
     return min(positive, default=0.0)
 
 
+COARSE_BUCKETS = 150  # memory steps of the quick first bound of long, time-limited problems
 SHORT_REGIONS = 2  # stages per region in the quick first search of long problems
 LONG_PROBLEM = 16  # stages from which the quick search runs first
 
@@ -878,6 +881,12 @@ def _upper(problem: Problem, search: _Search) -> tuple[Schedule | None, bool]:
     quick, _ = _passes(problem, dataclasses.replace(search, longest_region=SHORT_REGIONS), _first_ceiling(problem))
     if quick is None:
         return _passes(problem, search, _first_ceiling(problem))
+    if search.deadline is not None and search.bound_for is not None:
+        # a coarse bound now (fast, still proven), in case the time runs out before the fine one finishes
+        deadline = time.perf_counter() + (search.deadline - time.perf_counter()) / 3
+        search.found["coarse bound"] = lower_bound(
+            search.bound_for, search.budget, ceiling=simulate(problem, quick).recompute_seconds * (1 + 1e-9),
+            buckets=COARSE_BUCKETS, deadline=deadline)
     deadline = search.deadline
     if deadline is not None:
         deadline = time.perf_counter() + (deadline - time.perf_counter()) / 2
@@ -999,7 +1008,8 @@ def solve_dp(problem: Problem, budget_bytes: int, *, buckets: int = 2000, front_
         return plan(store_all(problem), 0.0)
     if budget_bytes <= 0:
         raise infeasible_budget_error(problem, budget_bytes, minimum_peak_schedule(problem))
-    search = _Search(budget_bytes, buckets, front_limit or _front_limit(problem), deadline, progress)
+    search = _Search(budget_bytes, buckets, front_limit or _front_limit(problem), deadline, progress,
+                     bound_for=problem if bound else None)
     try:
         schedule, exact = _within_budget(problem, search)
     except SolverTimeout:
@@ -1009,7 +1019,7 @@ def solve_dp(problem: Problem, budget_bytes: int, *, buckets: int = 2000, front_
                                hint="raise time_limit, or use solver='ilp'") from None
         return plan(schedule, None)
     seconds = simulate(problem, schedule).recompute_seconds
-    lower = None
+    lower = search.found.get("coarse bound")
     for round_ in range(refinements + 1 if bound and not exact else 0):
         if round_:
             search = dataclasses.replace(search, buckets=search.buckets * 4)
