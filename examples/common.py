@@ -105,7 +105,7 @@ def _lazy(module: str) -> Callable[..., Example]:
 
 
 EXAMPLES: dict[str, Callable[..., Example]] = {
-    name: _lazy(name) for name in ("largeblock", "gpt2", "llama", "resnet", "unet")
+    name: _lazy(name) for name in ("largeblock", "gpt2", "llama", "resnet", "unet", "bert")
 }
 
 

@@ -23,3 +23,31 @@ def test_meta_7b_benchmark_runs_at_a_small_shape():
     result = meta_7b.run(shape, torch.bfloat16, "h100", ["80GB", "40%"])
     assert result["peak_rss_bytes"] > 0 and result["eager_peak_bytes"] > 0
     assert {"capture", "profile", "solve 80GB", "solve 40%"} <= set(result["seconds"])
+
+
+def test_run_side_by_side_table_on_a_tiny_chain():
+    """benchmarks.run on a tiny LargeBlock chain, two methods and one round: the table's structure, the pairing at
+    equal memory, and the planner's measured peak within its budget."""
+    from benchmarks import run
+    from examples.common import Example, generator, seeded
+    from examples.largeblock import CheckpointedModel, loss_fn
+
+    with seeded(0):
+        model = CheckpointedModel(32, 4).train()
+    x = torch.randn(512, 32, generator=generator(1)).requires_grad_(True)
+    example = Example("tiny", model, (x,), {}, loss_fn, "blocks")
+    rows = run.benchmark_example(example, methods=("uniform", "planner"), repeats=1, budgets=(0.5,), ratios=(),
+                                 profile_repeats=1)
+    assert [r.method for r in rows] == ["eager", "uniform", "planner", "planner"]
+    eager, uniform, at_half, at_uniform = rows
+    assert eager.time_ratio == 1.0 and uniform.peak_bytes < eager.peak_bytes
+    assert at_half.matches == "50% of eager" and at_uniform.matches == uniform.label
+    assert at_uniform.budget_bytes == uniform.peak_bytes
+    for row in (at_half, at_uniform):
+        assert (row.peak_bytes is None) == (row.time_ratio is None)  # infeasible rows are not timed
+        assert row.peak_bytes is None or row.peak_bytes <= row.budget_bytes
+    assert at_uniform.peak_bytes is not None  # uniform's own peak is always within reach
+    text = run.table(rows)
+    assert len(text.splitlines()) == 2 + len(rows) and text.count("| tiny |") == len(rows)
+    summary = run.summary(rows)
+    assert "At equal memory" in summary and uniform.label in summary

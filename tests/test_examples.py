@@ -23,8 +23,8 @@ from examples.common import (  # noqa: E402
     saved_activation_bytes,
 )
 
-NAMES = ["largeblock", "gpt2", "llama", "resnet", "unet"]
-WITH_DROPOUT = {"gpt2", "llama"}
+NAMES = ["largeblock", "gpt2", "llama", "resnet", "unet", "bert"]
+WITH_DROPOUT = {"gpt2", "llama", "bert"}
 
 _EXPORTED: dict[str, tuple[Example, torch.nn.Module]] = {}
 

@@ -1,0 +1,596 @@
+"""Benchmarks against the alternatives, side by side in one run.
+
+For each example model, every method runs one training step (forward + backward) and is measured: its peak memory,
+its step time as a ratio to eager (per round of interleaved repeats, median and quartiles), and the time it took to
+set up (planning, searching, compiling). Methods:
+
+* ``eager``: no recomputation, the reference.
+* ``uniform``: every block checkpointed, the way users do it: ``gradient_checkpointing_enable(use_reentrant=False)``
+  on Hugging Face models, non-reentrant ``torch.utils.checkpoint`` around each block otherwise.
+* ``prefix``: what a careful user does by hand: checkpoint the first k blocks, the smallest k whose measured peak
+  fits the budget (found by measuring k = 0, 1, ...), at each budget of ``--budgets`` (shares of eager's peak).
+* ``chen_sqrt``: Chen et al.'s sqrt(n) segments over the planner's stages, run through the planner's rewrite.
+* ``compile``: ``torch.compile`` (inductor, CPU) at each ``torch._functorch.config.activation_memory_budget`` of
+  ``--compile-ratios``; that setting is a share of saved-activation bytes, so the peak it reaches is measured
+  from the CPU allocator's profiler memory events (:func:`planner.meter.allocator_peak_bytes`).
+* ``planner``: planned at each budget share, and at the measured peak of every other method (equal memory); against
+  a compiled method, the plan is compiled the same way (``torch.compile`` of the planned module).
+
+Eager-mode peaks come from the live-storage meter (``Example.measured_step``), compiled peaks from the allocator;
+both add parameters, buffers and inputs. Prints a Markdown table and a summary computed from it, and writes both to
+``benchmarks/RESULTS.md`` with a description of the machine.
+
+    python -m benchmarks.run [--models gpt2 bert] [--methods eager uniform planner] [--repeats 7]
+                             [--size test|demo] [--budgets 0.5] [--compile-ratios 0.5 0.1] [--quick] [--out PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import dataclasses
+import datetime
+import os
+import platform
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterator, Sequence
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from examples.common import EXAMPLES, Example, build_example
+from planner import solvers
+from planner.api import planned_module, pose_problem
+from planner.budget import format_bytes
+from planner.capture import capture
+from planner.errors import InfeasibleBudgetError
+from planner.meter import allocator_peak_bytes, storage_bytes
+from planner.plan import Plan, SolverStatus
+from planner.solvers.baselines import chen_sqrt
+
+METHODS = ("eager", "uniform", "prefix", "chen_sqrt", "compile", "planner")
+HAND = ("uniform", "prefix", "chen_sqrt")  # block checkpoints placed by a rule or by hand
+BUDGETS = (0.5,)
+COMPILE_RATIOS = (0.5, 0.1)
+HALF = 0.5
+OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "RESULTS.md")
+
+
+@dataclass(frozen=True)
+class Row:
+    """One method on one model, measured.
+
+    peak_bytes: measured peak of one step (None when the method could not run at all, see ``note``).
+    budget_bytes: the budget the method was set up for (None for fixed rules).
+    matches: for a planner row, the label of the row whose measured peak is its budget (or ``"50% of eager"``).
+    time_ratio, ratio_low, ratio_high: step time over eager's in the same round: median and quartiles.
+    fastest_ratio: the fastest step over eager's fastest (load on the machine only adds time).
+    setup_seconds: planning (capture, profile, solve), searching or compiling before the first step.
+    """
+
+    model: str
+    method: str
+    setting: str
+    compiled: bool
+    peak_bytes: int | None
+    budget_bytes: int | None
+    matches: str
+    time_ratio: float | None
+    ratio_low: float | None
+    ratio_high: float | None
+    fastest_ratio: float | None
+    setup_seconds: float
+    note: str = ""
+
+    @property
+    def label(self) -> str:
+        return f"{self.method} ({self.setting})"
+
+    @property
+    def overhead(self) -> float | None:
+        return None if self.time_ratio is None else self.time_ratio - 1
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A method set up and ready to time: ``step()`` runs one forward + backward and clears the gradients."""
+
+    method: str
+    setting: str
+    step: Callable[[], None] | None
+    peak_bytes: int | None
+    setup_seconds: float = 0.0
+    compiled: bool = False
+    budget_bytes: int | None = None
+    matches: str = ""
+    note: str = ""
+
+    @property
+    def label(self) -> str:
+        return f"{self.method} ({self.setting})"
+
+
+# --------------------------------------------------------------------------- the methods
+
+
+def step_of(example: Example, module: torch.nn.Module, owner: torch.nn.Module) -> Callable[[], None]:
+    """One forward + backward of ``module``, whose parameters are ``owner``'s; gradients cleared afterwards."""
+    def step() -> None:
+        example.run(module).backward()
+        owner.zero_grad(set_to_none=True)
+    return step
+
+
+def fixed_bytes(example: Example, owner: torch.nn.Module) -> int:
+    """Parameters, buffers and inputs: what is alive before the step starts."""
+    return storage_bytes(list(owner.parameters()) + list(owner.buffers())
+                         + [t for t in example.example_inputs if isinstance(t, torch.Tensor)])
+
+
+def eager_mode(example: Example, method: str, setting: str, module: torch.nn.Module, owner: torch.nn.Module,
+               **fields) -> Candidate:
+    """A candidate run without compiling, its peak measured with the live-storage meter."""
+    peak, _ = dataclasses.replace(example, model=owner).measured_step(module)
+    return Candidate(method, setting, step_of(example, module, owner), peak, **fields)
+
+
+def inductor_at(ratio: float | None) -> Callable:
+    """An inductor backend that partitions under ``activation_memory_budget=ratio`` (None: the default).
+
+    Binding the setting to the backend, rather than to the global config, lets several compiled copies coexist
+    (dynamo guards on the backend), so their steps can be timed interleaved.
+    """
+    from torch._inductor.compile_fx import compile_fx
+
+    def backend(gm, example_inputs):
+        if ratio is None:
+            return compile_fx(gm, example_inputs)
+        with torch._functorch.config.patch(activation_memory_budget=ratio):
+            return compile_fx(gm, example_inputs)
+    return backend
+
+
+def compiled(example: Example, method: str, setting: str, module: torch.nn.Module, owner: torch.nn.Module,
+             ratio: float | None = None, setup_seconds: float = 0.0, **fields) -> Candidate:
+    """``torch.compile(module)`` with inductor; the first step compiles; the peak comes from the allocator."""
+    step = step_of(example, torch.compile(module, backend=inductor_at(ratio)), owner)
+    start = time.perf_counter()
+    step()
+    setup_seconds += time.perf_counter() - start
+    peak = fixed_bytes(example, owner) + allocator_peak_bytes(step)
+    return Candidate(method, setting, step, peak, setup_seconds, compiled=True, **fields)
+
+
+def is_hugging_face(model: torch.nn.Module) -> bool:
+    return bool(getattr(model, "supports_gradient_checkpointing", False))
+
+
+def _checkpointed(forward: Callable) -> Callable:
+    def run(*args, **kwargs):
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+    return run
+
+
+def first_blocks_checkpointed(example: Example, count: int) -> torch.nn.Module:
+    """A copy of the model with its first ``count`` blocks each under non-reentrant ``torch.utils.checkpoint``."""
+    model = copy.deepcopy(example.model)
+    for block in list(model.get_submodule(example.block_path))[:count]:
+        block.forward = _checkpointed(block.forward)
+    return model
+
+
+def uniform(example: Example) -> Candidate:
+    """Every block checkpointed, as users do it for this kind of model."""
+    if is_hugging_face(example.model):
+        model = copy.deepcopy(example.model)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        setting = "every block: gradient_checkpointing_enable"
+    else:
+        model = first_blocks_checkpointed(example, len(example.blocks()))
+        setting = "every block: torch.utils.checkpoint"
+    return eager_mode(example, "uniform", setting, model, model)
+
+
+def prefix(example: Example, budget: int, share: float) -> Candidate:
+    """The first k blocks checkpointed, the smallest k whose measured peak fits ``budget``."""
+    start = time.perf_counter()
+    blocks = len(example.blocks())
+    for count in range(blocks + 1):
+        model = first_blocks_checkpointed(example, count)
+        candidate = eager_mode(example, "prefix", f"first {count} of {blocks} blocks, {share:.0%} of eager", model,
+                               model, budget_bytes=budget)
+        if candidate.peak_bytes <= budget:
+            return dataclasses.replace(candidate, setup_seconds=time.perf_counter() - start)
+    return Candidate("prefix", f"{share:.0%} of eager", None, None, time.perf_counter() - start, budget_bytes=budget,
+                     note=f"no prefix fits; all {blocks} blocks reach {format_bytes(candidate.peak_bytes)}")
+
+
+@dataclass(frozen=True)
+class Posed:
+    """The planner's captured graph and problem for one model, and the seconds capture and profiling took."""
+
+    example: Example
+    captured: object
+    problem: object
+    stage_nodes: tuple
+    seconds: float
+
+
+def pose(example: Example, profile_repeats: int) -> Posed:
+    start = time.perf_counter()
+    captured = capture(example.model, example.example_inputs, example.example_kwargs)
+    problem, stage_nodes = pose_problem(captured, loss_fn=example.loss_fn, hold_outputs=False,
+                                        profile_repeats=profile_repeats)
+    return Posed(example, captured, problem, stage_nodes, time.perf_counter() - start)
+
+
+def chen(posed: Posed) -> Candidate:
+    """Chen's sqrt(n) segments over the planner's stages, run by the planner's rewrite."""
+    plan = Plan.from_schedule(posed.problem, chen_sqrt(posed.problem), solver="chen_sqrt",
+                              status=SolverStatus.HEURISTIC)
+    module = planned_module(posed.captured, plan, posed.stage_nodes)
+    return eager_mode(posed.example, "chen_sqrt", f"{len(plan.schedule.regions)} checkpointed "
+                      f"segment(s) of {posed.problem.num_stages} stages", module, posed.example.model)
+
+
+def planner_at(posed: Posed, budget: int, matches: str, compile_it: bool = False) -> Candidate:
+    """The planner's plan for ``budget`` (compiled when ``compile_it``); setup counts capture, profile and solve."""
+    example, setting = posed.example, f"budget {format_bytes(budget)}"
+    start = time.perf_counter()
+    try:
+        plan = solvers.solve(posed.problem, budget)
+    except InfeasibleBudgetError as error:
+        return Candidate("planner", setting, None, None, posed.seconds, compile_it, budget, matches,
+                         note=f"infeasible: the smallest peak it plans is "
+                              f"{format_bytes(error.minimum_budget_bytes or 0)}")
+    setup = posed.seconds + time.perf_counter() - start
+    module = planned_module(posed.captured, plan, posed.stage_nodes)
+    if compile_it:
+        return compiled(example, "planner", setting, module, example.model, setup_seconds=setup,
+                        budget_bytes=budget, matches=matches)
+    return eager_mode(example, "planner", setting, module, example.model, setup_seconds=setup,
+                      budget_bytes=budget, matches=matches)
+
+
+def compile_settings(example: Example, ratios: Sequence[float]) -> list[Candidate]:
+    """``torch.compile`` of a copy of the model at each activation memory budget."""
+    out = []
+    for ratio in ratios:
+        model = copy.deepcopy(example.model)
+        out.append(compiled(example, "compile", f"activation_memory_budget={ratio:g}", model, model, ratio))
+    return out
+
+
+# --------------------------------------------------------------------------- running and timing
+
+
+@contextlib.contextmanager
+def compile_config() -> Iterator[None]:
+    """Compiled dropout draws what eager draws; no cached graphs (they would skip the partitioner); room for the
+    several compiled copies of one model."""
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+
+    with inductor_config.patch(fallback_random=True, fx_graph_cache=False), \
+            functorch_config.patch(enable_autograd_cache=False), \
+            torch._dynamo.config.patch(recompile_limit=64, cache_size_limit=64):
+        try:
+            yield
+        finally:
+            torch._dynamo.reset()
+
+
+def candidates(example: Example, methods: Sequence[str], budgets: Sequence[float], ratios: Sequence[float],
+               profile_repeats: int, log: Callable[[str], None]) -> list[Candidate]:
+    """Set up every method on ``example``; planner candidates at each budget share and at every other peak."""
+    model = example.model
+    found = [eager_mode(example, "eager", "no recomputation", model, model)]
+    eager_peak = found[0].peak_bytes
+    posed = pose(example, profile_repeats) if {"planner", "chen_sqrt"} & set(methods) else None
+    if "uniform" in methods:
+        found.append(uniform(example))
+    if "prefix" in methods:
+        found += [prefix(example, int(share * eager_peak), share) for share in budgets]
+    if "chen_sqrt" in methods:
+        found.append(chen(posed))
+    if "compile" in methods:
+        log(f"  compiling {len(ratios)} settings")
+        found += compile_settings(example, ratios)
+    if "planner" in methods:
+        log("  planning")
+        found += [planner_at(posed, int(share * eager_peak), f"{share:.0%} of eager") for share in budgets]
+        found += [planner_at(posed, c.peak_bytes, c.label, compile_it=c.compiled)
+                  for c in list(found) if c.method != "planner" and c.method != "eager" and c.peak_bytes]
+    return found
+
+
+def interleaved_seconds(steps: dict[int, Callable[[], None]], repeats: int) -> dict[int, list[float]]:
+    """Seconds of each step, ``repeats`` rounds of one step each (after a warm-up round); the order rotates."""
+    keys = list(steps)
+    for step in steps.values():
+        step()  # warm-up
+    seconds: dict[int, list[float]] = {k: [] for k in keys}
+    for r in range(repeats):
+        for key in keys[r % len(keys):] + keys[:r % len(keys)]:
+            start = time.perf_counter()
+            steps[key]()
+            seconds[key].append(time.perf_counter() - start)
+    return seconds
+
+
+def per_round(seconds: dict[int, list[float]], key: int) -> list[float]:
+    """Step ``key``'s time over eager's (key 0) in the same round, round by round."""
+    return [t / e for t, e in zip(seconds[key], seconds[0])]
+
+
+def quartiles(samples: list[float]) -> tuple[float, float, float]:
+    """Median and lower/upper quartiles (min/max below 4 samples)."""
+    if len(samples) < 4:
+        return statistics.median(samples), min(samples), max(samples)
+    q = statistics.quantiles(samples, n=4)
+    return statistics.median(samples), q[0], q[2]
+
+
+def benchmark_model(name: str, *, size: str = "test", **options) -> list[Row]:
+    """Every method on the registered example ``name`` at ``size``; see :func:`benchmark_example`."""
+    return benchmark_example(build_example(name, size=size), **options)
+
+
+def benchmark_example(example: Example, *, methods: Sequence[str] = METHODS, repeats: int = 7,
+                      budgets: Sequence[float] = BUDGETS, ratios: Sequence[float] = COMPILE_RATIOS,
+                      profile_repeats: int = 3, log: Callable[[str], None] = lambda line: None) -> list[Row]:
+    """Every method on ``example``, measured and timed interleaved: one row each."""
+    name = example.name
+    with compile_config():
+        found = candidates(example, methods, budgets, ratios, profile_repeats, log)
+        runnable = {i: c.step for i, c in enumerate(found) if c.step is not None}  # found[0] is eager
+        log(f"  timing {len(runnable)} methods x {repeats} rounds")
+        seconds = interleaved_seconds(runnable, repeats)
+    rows = []
+    for i, c in enumerate(found):
+        median, low, high, fastest = (*quartiles(per_round(seconds, i)), min(seconds[i]) / min(seconds[0])) \
+            if i in seconds else (None,) * 4
+        rows.append(Row(name, c.method, c.setting, c.compiled, c.peak_bytes, c.budget_bytes, c.matches, median,
+                        low, high, fastest, c.setup_seconds, c.note))
+    return rows
+
+
+# --------------------------------------------------------------------------- reporting
+
+
+def _mib(nbytes: int | None) -> str:
+    return "-" if nbytes is None else f"{nbytes / 2**20:.2f}"
+
+
+def _ratio(row: Row) -> str:
+    if row.time_ratio is None:
+        return "-"
+    return f"{row.time_ratio:.2f} [{row.ratio_low:.2f}-{row.ratio_high:.2f}]"
+
+
+def table(rows: Sequence[Row]) -> str:
+    """A Markdown table, one line per row."""
+    eager = {r.model: r.peak_bytes for r in rows if r.method == "eager"}
+    lines = ["| model | method | setting | compiled | budget MiB | peak MiB | peak / eager | time / eager, median "
+             "[quartiles] | fastest / fastest eager | setup s | planned at the peak of | note |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        share = "-" if r.peak_bytes is None else f"{r.peak_bytes / eager[r.model]:.0%}"
+        lines.append(f"| {r.model} | {r.method} | {r.setting} | {'yes' if r.compiled else 'no'} | "
+                     f"{_mib(r.budget_bytes)} | {_mib(r.peak_bytes)} | {share} | {_ratio(r)} | "
+                     f"{'-' if r.fastest_ratio is None else f'{r.fastest_ratio:.2f}'} | "
+                     f"{r.setup_seconds:.1f} | {r.matches} | {r.note} |")
+    return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """The planner against one method at that method's measured peak."""
+
+    model: str
+    baseline: Row
+    planner: Row
+
+    @property
+    def held(self) -> bool:
+        """The planner reached the memory and ran no slower (by medians)."""
+        return (self.planner.peak_bytes is not None and self.planner.peak_bytes <= self.baseline.peak_bytes
+                and self.planner.time_ratio <= self.baseline.time_ratio)
+
+    @property
+    def faster_by(self) -> float | None:
+        """The planner's step time below the baseline's, as a share of the baseline's."""
+        if self.planner.time_ratio is None:
+            return None
+        return 1 - self.planner.time_ratio / self.baseline.time_ratio
+
+    @property
+    def within_noise(self) -> bool:
+        p, b = self.planner, self.baseline
+        return p.time_ratio is not None and p.ratio_low <= b.ratio_high and b.ratio_low <= p.ratio_high
+
+
+def comparisons(rows: Sequence[Row]) -> list[Comparison]:
+    """Every planner row planned at another row's measured peak, paired with that row."""
+    by_label = {(r.model, r.label): r for r in rows}
+    return [Comparison(r.model, by_label[(r.model, r.matches)], r) for r in rows
+            if r.method == "planner" and (r.model, r.matches) in by_label]
+
+
+def _faster_or_slower(share: float) -> str:
+    return f"faster by {share:.1%}" if share >= 0 else f"SLOWER by {-share:.1%}"
+
+
+def _describe(c: Comparison) -> str:
+    b, p = c.baseline, c.planner
+    if p.peak_bytes is None:
+        return f"{b.label}: planner cannot reach {_mib(b.peak_bytes)} MiB ({p.note})"
+    memory = (f"{_mib(p.peak_bytes)} vs {_mib(b.peak_bytes)} MiB"
+              + ("" if p.peak_bytes <= b.peak_bytes else f", OVER by {p.peak_bytes / b.peak_bytes - 1:.1%}"))
+    speed = (f"planner {_faster_or_slower(c.faster_by)} "
+             f"({p.time_ratio:.2f}x vs {b.time_ratio:.2f}x eager{', quartiles overlap' if c.within_noise else ''}; "
+             f"fastest steps {p.fastest_ratio:.2f}x vs {b.fastest_ratio:.2f}x)")
+    return f"{b.label}: {speed}; {memory}"
+
+
+def half_budget_lines(rows: Sequence[Row]) -> list[str]:
+    """Per model: the planner's overhead at half the eager peak against the best hand placement that fits."""
+    lines = []
+    for model in dict.fromkeys(r.model for r in rows):
+        mine = [r for r in rows if r.model == model]
+        eager = next(r for r in mine if r.method == "eager").peak_bytes
+        planned = next((r for r in mine if r.method == "planner" and r.matches == f"{HALF:.0%} of eager"), None)
+        hand = [r for r in mine if r.method in HAND and r.peak_bytes is not None and r.peak_bytes <= HALF * eager
+                and r.time_ratio is not None]
+        if planned is None or planned.overhead is None:
+            lowest = min((r for r in mine if r.method in HAND and r.peak_bytes), key=lambda r: r.peak_bytes,
+                         default=None)
+            reached = f"; the lowest hand placement, {lowest.label}, reaches {lowest.peak_bytes / eager:.0%}" \
+                if lowest is not None else ""
+            lines.append(f"- {model}: nothing compared: planner " + (planned.note if planned else "not run")
+                         + f" ({HALF:.0%} of eager is {_mib(int(HALF * eager))} MiB){reached}")
+            continue
+        if not hand:
+            lines.append(f"- {model}: planner overhead {planned.overhead:.1%}; no hand placement of block "
+                         f"checkpoints fits {HALF:.0%} of eager (target met by default)")
+            continue
+        best = min(hand, key=lambda r: r.overhead)
+        smaller = 1 - planned.overhead / best.overhead if best.overhead > 0 else float("-inf")
+        relation = (f"{smaller:.0%} smaller" if smaller >= 0 else f"{-smaller:.0%} LARGER") \
+            if best.overhead > 0 else "the hand placement measured no overhead"
+        verdict = "met" if smaller >= 0.3 else f"MISSED by {0.3 - smaller:.0%} points" if best.overhead > 0 else \
+            "MISSED"
+        lines.append(f"- {model}: planner overhead {planned.overhead:.1%} (peak {_mib(planned.peak_bytes)} MiB) vs "
+                     f"best hand placement {best.label} {best.overhead:.1%} (peak {_mib(best.peak_bytes)} MiB): "
+                     f"{relation}; target (>= 30% smaller) {verdict}")
+    return lines
+
+
+def summary(rows: Sequence[Row]) -> str:
+    """The targets, judged from the rows."""
+    pairs = comparisons(rows)
+    lost = [c for c in pairs if not c.held]
+    lines = ["### At equal memory (planner planned at each method's measured peak)", ""]
+    for model in dict.fromkeys(c.model for c in pairs):
+        mine = [c for c in pairs if c.model == model]
+        worst = min((c for c in mine if c.faster_by is not None), key=lambda c: c.faster_by, default=None)
+        head = f"- **{model}**" + (f": closest alternative {worst.baseline.label}, planner "
+                                   f"{_faster_or_slower(worst.faster_by)}" if worst is not None else "")
+        lines.append(head)
+        lines += [f"  - {_describe(c)}" for c in mine]
+    verdict = ("met: no method is faster than the planner at equal memory on any model" if not lost else
+               f"MISSED in {len(lost)} of {len(pairs)} comparisons: "
+               + "; ".join(f"{c.model} vs {c.baseline.label}" for c in lost))
+    lines += ["", f"Target 'no method faster than planner at equal memory': {verdict}.", "",
+              f"### At {HALF:.0%} of the eager peak: planner against the best hand placement of block checkpoints",
+              ""]
+    lines += half_budget_lines(rows)
+    over = [r for r in rows if r.method == "planner" and r.peak_bytes is not None and r.peak_bytes > r.budget_bytes]
+    lines += ["", "Planner rows whose measured peak exceeds their budget: "
+              + (", ".join(f"{r.model} {r.label} by {r.peak_bytes / r.budget_bytes - 1:.1%}" for r in over)
+                 if over else "none") + "."]
+    return "\n".join(lines)
+
+
+PUBLISHED = """## Published figures (from the systems' papers and earlier runs; not rerun here)
+
+| system | claim | source |
+|---|---|---|
+| Rockmate 2.0 (ICML 2023) | 2-5x less activation memory at 10-20% overhead | paper abstract |
+| Rockmate on a 4-layer GPT, 2-core CPU, torch 2.13 | about 100 s to build a plan; measured memory exceeded its own plan by about 45% (13-15 MiB) at half budget | our earlier run (`../shared/anchors.md`) |
+| MONeT | 3x less memory at 9-16% overhead | paper abstract |
+| Chen et al. 2016 | O(sqrt(n)) memory for one extra forward (+30% time on a 1000-layer ResNet) | paper |
+"""
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine() -> str:
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else "n/a"
+    return (f"{cpu_model()}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads; torch "
+            f"{torch.__version__}, Python {platform.python_version()}; "
+            f"{datetime.datetime.now().astimezone():%Y-%m-%d %H:%M %Z}; load average {load}")
+
+
+READING = """How to read it: peaks of eager-mode rows come from the live-storage meter, those of compiled rows from
+the CPU allocator's profiler memory events; both include parameters, buffers and inputs. A planner row is planned at
+the budget in its row: half the eager peak, or the measured peak of the row named in "planned at the peak of" (equal
+memory); against a compiled row, the plan is compiled the same way. Time ratios are per round of interleaved steps
+(each step against eager's step in the same round): median and quartiles; "fastest" divides the fastest steps
+(load on a shared machine only adds time). Setup is the planner's capture, profile and solve; the hand search's
+measuring steps; or compilation. `chen_sqrt` runs through the planner's graph rewrite (Hugging Face models call their
+layers in a Python loop, so segments of several layers cannot be wrapped by hand); `uniform` and `prefix` wrap blocks
+with `torch.utils.checkpoint` (on ResNet this updates BatchNorm statistics twice, which the planner avoids)."""
+
+
+def report(rows: Sequence[Row], header: str) -> str:
+    return (f"# Benchmarks against the alternatives\n\n{header}\n\n## Measured\n\n{READING}\n\n{table(rows)}\n\n"
+            f"## Summary\n\n{summary(rows)}\n\n{PUBLISHED}")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="+", default=list(EXAMPLES), choices=list(EXAMPLES))
+    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    parser.add_argument("--repeats", type=int, default=7, help="interleaved timing rounds")
+    parser.add_argument("--size", default="test", choices=["test", "demo"])
+    parser.add_argument("--budgets", nargs="+", type=float, default=list(BUDGETS),
+                        help="shares of the eager peak for the prefix and planner methods")
+    parser.add_argument("--compile-ratios", nargs="*", type=float, default=list(COMPILE_RATIOS),
+                        help="torch._functorch.config.activation_memory_budget values")
+    parser.add_argument("--profile-repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch intra-op threads (1 steadies timings on a machine shared with other work)")
+    parser.add_argument("--quick", action="store_true",
+                        help="smoke mode: largeblock, eager/uniform/planner, 1 round, nothing written")
+    parser.add_argument("--out", default=None, help=f"where to write the report (default {OUT}; none with --quick)")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.models, args.methods, args.repeats, args.profile_repeats = ["largeblock"], ["eager", "uniform",
+                                                                                        "planner"], 1, 1
+    if args.out is None and not args.quick:
+        args.out = OUT
+    if HALF not in args.budgets:
+        args.budgets.append(HALF)  # the half-budget target needs it
+    return args
+
+
+def main(argv=None) -> list[Row]:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    log = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
+    header = (f"Machine: {machine()}.\n\nSize `{args.size}`, {args.repeats} interleaved rounds (time ratios are "
+              f"per round, against eager's step in the same round), budgets {args.budgets} of the eager peak, "
+              f"activation_memory_budget {args.compile_ratios}. Command: `python -m benchmarks.run "
+              f"{' '.join(argv if argv is not None else sys.argv[1:])}`.")
+    rows: list[Row] = []
+    for name in args.models:
+        log(f"{name}:")
+        start = time.perf_counter()
+        rows += benchmark_model(name, size=args.size, methods=args.methods, repeats=args.repeats,
+                                budgets=args.budgets, ratios=args.compile_ratios,
+                                profile_repeats=args.profile_repeats, log=log)
+        log(f"  {time.perf_counter() - start:.0f} s")
+        if args.out:
+            with open(args.out, "w") as f:  # after each model, so a long run leaves what it has
+                f.write(report(rows, header))
+    print(report(rows, header))
+    return rows
+
+
+if __name__ == "__main__":
+    main()
