@@ -124,6 +124,4 @@ def test_fsdp2_sharding_the_planned_module_trains_like_sharding_the_model():
         r = results[rank]
         assert r["equal"], f"rank {rank}: gradients differ from fully_shard(model)"
         assert r["sharded"]
-        # the plan does not model DDP's reducer: gradients copied into its buckets and the all-reduce's
-        # temporaries come on top, at most one more copy of the gradients (README, "Works with")
-        assert r["peak"] <= r["budget"] + r["gradient_bytes"] and r["budget"] < r["eager_peak"], r
+        assert r["peak"] <= r["budget"] < r["eager_peak"], r
