@@ -199,6 +199,7 @@ class Session:
     eager_peak_bytes: int
     timing: str = "wall_clock"
     allocator_margin: float = 0.0
+    solver_options: dict = dataclasses.field(default_factory=dict)  # time limit and progress for auto, dp, ilp
 
     def usable(self, budget_bytes: int) -> int:
         """What a plan may use of ``budget_bytes``: the budget less the allocator margin."""
@@ -207,7 +208,10 @@ class Session:
     def solve(self, budget: Budget, method: str) -> Plan:
         """Plan under ``budget`` with ``method`` and record where the plan comes from."""
         budget_bytes = budget.resolve(self.eager_peak_bytes)
-        plan = solvers.solve(self.problem, self.usable(budget_bytes), method=method)
+        options = self.solver_options if method in ("auto", "dp", "ilp") else {}
+        if method == "ilp":
+            options = {k: v for k, v in options.items() if k == "time_limit"}
+        plan = solvers.solve(self.problem, self.usable(budget_bytes), method=method, **options)
         first = next(self.model.parameters(), None)
         return dataclasses.replace(plan, budget_bytes=budget_bytes, budget_text=budget.text,
                                    stage_nodes=self.stage_nodes, fingerprint=fingerprint(self.captured),
@@ -231,7 +235,10 @@ def open_session(args: argparse.Namespace, progress: Progress) -> Session:
                                   captured_device_type(captured))
     progress.note(f"{problem.num_stages} stages, eager peak {format_bytes(eager)}"
                   + (f"; plans leave {margin:.0%} of the budget to the allocator" if margin else ""))
-    return Session(model, captured, problem, posed.stage_nodes, eager, posed.timing, margin)
+    options: dict = {"time_limit": args.time_limit}
+    if args.solver_progress and progress.enabled:
+        options["progress"] = lambda line: progress.note(line)
+    return Session(model, captured, problem, posed.stage_nodes, eager, posed.timing, margin, options)
 
 
 def _infeasible(budget: Budget, budget_bytes: int, minimum: int | None, why: str) -> InfeasibleBudgetError:
@@ -440,6 +447,10 @@ def _common(model: bool) -> _Parser:
                                  "how a model built on the meta device is planned")
         parent.add_argument("--allocator-margin", type=float, metavar="SHARE",
                             help="share of the budget left to the CUDA allocator (default 0.05 for a GPU, else 0)")
+        parent.add_argument("--time-limit", type=float, default=60.0, metavar="SECONDS",
+                            help="most seconds a solve may take; then the best plan and its proven gap (default 60)")
+        parent.add_argument("--solver-progress", action="store_true",
+                            help="print the solver's progress (stage by stage) on stderr")
     return parent
 
 

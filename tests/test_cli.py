@@ -270,3 +270,16 @@ def test_device_plans_a_meta_model_for_a_gpu_it_does_not_have(runs):
     assert plan.timing == "analytic:l4" and plan.device == "meta" and plan.budget_text == "l4 memory"
     assert plan.allocator_margin == 0.05 and plan.eager_peak_bytes > plan.budget_bytes  # 4 x 2 GiB activations
     assert plan.regions and plan.predicted_peak_bytes <= plan.planned_budget_bytes
+
+
+def test_solver_progress_and_time_limit_reach_the_solver(tmp_path, monkeypatch, capsys):
+    (tmp_path / "factory.py").write_text(FACTORY)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    code = cli.main(["plan", "factory.py:build", "--budget", "70%", "--profile-repeats", "1", "--solver", "dp",
+                     "--solver-progress", "--time-limit", "30", "--json"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    assert "planner: dp: stage 1/4" in captured.err
+    plan = Plan.from_dict(json.loads(captured.out))
+    assert plan.lower_bound_seconds is not None and plan.gap is not None
