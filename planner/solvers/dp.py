@@ -21,7 +21,13 @@ unit. When every tensor size is a multiple of the unit (``unit`` = the sizes' gc
 
 On other problems tensors that reach past the next stage are assumed held from their producer on (only model
 outputs really are), which over-estimates memory: the program stays feasible but may miss better plans (status
-``FEASIBLE``). Every returned plan is checked with ``simulate``.
+``FEASIBLE``); with more than ``PINNED_LIMIT`` of them it plans on :func:`chain_restriction` instead. Every
+returned plan is checked with ``simulate``.
+
+Search: passes keep only partial plans within a ceiling on recompute seconds (growing until a pass's plan is
+within its ceiling, which proves it the program's optimum); long problems first search regions of at most
+``SHORT_REGIONS`` stages. Bound: :func:`lower_bound` solves :func:`chain_relaxation` with byte counts rounded
+down and fronts uncut, so every plan carries a proven ``gap`` and ``lower_bound_seconds``.
 
 >>> from planner.problem import Problem, Stage, TensorInfo
 >>> stages = tuple(Stage(f"s{i}", 1.0, 2.0) for i in range(4))
