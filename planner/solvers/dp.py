@@ -518,17 +518,8 @@ def _stored_move(tables: _Tables, i: int, how: int, kind: str) -> tuple[int, int
     return max(forward, start, after), held
 
 
-def _region_need(tables: _Tables, i: int, how: int, closed: _Closed) -> tuple[int, int]:
-    """(need, adds) for a closed region at ``i`` after stage ``i-1`` ran as ``how``."""
-    pend = tables.pending.get((i, how, "region"), _NOTHING)
-    held = pend.own + pend.held_by_next
-    forward = tables.fwd_base[i] + held + pend.read_only + closed.forward_first
-    after = tables.after_base[i] + pend.own
-    return max(forward, after, held + closed.need), held + closed.adds
-
-
 def _region_needs(tables: _Tables, i: int, how: int, closed: list[_Closed]) -> tuple[np.ndarray, np.ndarray]:
-    """:func:`_region_need` of every closed region at once."""
+    """(needs, adds) of closed regions at ``i`` after stage ``i-1`` ran as ``how``; needs exclude H."""
     pend = tables.pending.get((i, how, "region"), _NOTHING)
     held = pend.own + pend.held_by_next
     table = np.array([(c.forward_first, c.need, c.adds) for c in closed], dtype=np.int64).reshape(-1, 3)
@@ -737,10 +728,10 @@ def _least_peak(tables: _Tables, limit: int) -> tuple[Schedule, bool]:
                 exact &= closed
                 continue
             for source in region_sources:
-                for c in closed:
-                    need, adds = _region_need(tables, i, source[1], c)
+                needs, adds = _region_needs(tables, i, source[1], closed)
+                for c, need, added in zip(closed, needs.tolist(), adds.tolist()):
                     for entry in fronts[source]:
-                        push(source, entry, need, adds, Region(i, e + 1, c.options), (e + 1, c.options[-1], kind))
+                        push(source, entry, need, added, Region(i, e + 1, c.options), (e + 1, c.options[-1], kind))
     finals = [entry for key in fronts if key[0] == n for entry in fronts[key]]
     entry = min(finals, key=lambda x: x[1])
     regions = []
@@ -804,6 +795,20 @@ def minimum_peak(problem: Problem) -> int:
     return simulate(problem, minimum_peak_schedule(problem)).peak_bytes
 
 
+def _split_far(problem: Problem) -> tuple[list[TensorInfo], list[TensorInfo]]:
+    """The tensors a chain keeps (model outputs lose their readers, which changes nothing: the caller holds them
+    throughout) and the far-reaching ones, read or saved past the next stage."""
+    kept, far = [], []
+    for t in problem.tensors:
+        if t.is_output:
+            kept.append(dataclasses.replace(t, consumers=frozenset()))
+        elif _is_local(t):
+            kept.append(t)
+        else:
+            far.append(t)
+    return kept, far
+
+
 def chain_relaxation(problem: Problem) -> Problem:
     """A chain on which every schedule peaks no higher than on ``problem``: its optimum is a lower bound.
 
@@ -821,14 +826,10 @@ def chain_relaxation(problem: Problem) -> Problem:
     """
     if problem.is_chain():
         return problem
+    kept, far = _split_far(problem)
     extra = [0] * problem.num_stages
-    kept = []
-    for t in problem.tensors:
-        if t.is_output:
-            kept.append(dataclasses.replace(t, consumers=frozenset()))
-        elif _is_local(t):
-            kept.append(t)
-        elif t.last_forward_use > t.producer:
+    for t in far:
+        if t.last_forward_use > t.producer:  # else it may die inside its stage: nothing is forced
             for k in range(t.producer, t.last_forward_use + 1):
                 extra[k] += t.nbytes
     stages = tuple(dataclasses.replace(s, forward_workspace_bytes=s.forward_workspace_bytes + extra[k],
@@ -1068,18 +1069,13 @@ def chain_restriction(problem: Problem) -> Problem:
     """
     if problem.is_chain():
         return problem
+    kept, far = _split_far(problem)
     forward = [0] * problem.num_stages
     backward = [0] * problem.num_stages
-    kept = []
-    for t in problem.tensors:
-        if t.is_output:
-            kept.append(dataclasses.replace(t, consumers=frozenset()))
-        elif _is_local(t):
-            kept.append(t)
-        else:
-            for k in range(t.producer, problem.num_stages):
-                forward[k] += t.nbytes
-                backward[k] += 2 * t.nbytes
+    for t in far:
+        for k in range(t.producer, problem.num_stages):
+            forward[k] += t.nbytes
+            backward[k] += 2 * t.nbytes
     stages = tuple(dataclasses.replace(
         s, forward_workspace_bytes=s.forward_workspace_bytes + forward[k], recompute_workspace_bytes=s.recompute_workspace,
         backward_workspace_bytes=s.backward_workspace_bytes + backward[k],
@@ -1089,7 +1085,7 @@ def chain_restriction(problem: Problem) -> Problem:
 
 
 def _far_reaching(problem: Problem) -> int:
-    return sum(1 for t in problem.tensors if not t.is_output and not _is_local(t))
+    return len(_split_far(problem)[1])
 
 
 def _within_budget(problem: Problem, search: _Search) -> tuple[Schedule, bool]:
