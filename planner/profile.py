@@ -265,7 +265,7 @@ def profile_graph(captured: CapturedGraph, *, repeats: int = 3, stopwatch: Stopw
 
 # --- measured steps with stage markers --------------------------------------------------------------------------
 
-class _BackwardMarker(torch.autograd.Function):
+class BackwardMarker(torch.autograd.Function):
     """Identity on tensors; calls ``callback`` when the backward has passed through all of them."""
 
     @staticmethod
@@ -326,7 +326,7 @@ class _MarkingInterpreter(fx.Interpreter):
                     if isinstance(value, torch.Tensor) and value.requires_grad:
                         external.append(src)
         if external:
-            marked = _BackwardMarker.apply(lambda: self.on_backward_done(stage), *[self.env[s] for s in external])
+            marked = BackwardMarker.apply(lambda: self.on_backward_done(stage), *[self.env[s] for s in external])
             for src, value in zip(external, marked):
                 self.env[src] = value
 

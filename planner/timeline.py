@@ -35,7 +35,7 @@ from .capture import CapturedGraph, flat_call_args
 from .errors import PlannerError
 from .meter import LiveMemoryMeter, storage_bytes
 from .problem import Phase, Problem, Schedule, simulate
-from .profile import default_loss, fixed_tensors, preserved_training_state
+from .profile import BackwardMarker, default_loss, fixed_tensors, preserved_training_state
 
 __all__ = ["Slot", "TimelinePoint", "StepTimeline", "step_slots", "predicted_timeline", "measure_timeline",
            "step_timelines"]
@@ -139,21 +139,6 @@ def predicted_timeline(problem: Problem, schedule: Schedule, *, label: str = "",
 
 # --- measuring ---------------------------------------------------------------------------------------------------
 
-class _BackwardMarker(torch.autograd.Function):
-    """Identity on tensors; calls ``callback`` once the backward has passed through all of them."""
-
-    @staticmethod
-    def forward(ctx, callback, *tensors):
-        ctx.callback = callback
-        ctx.set_materialize_grads(False)
-        return tuple(t.view_as(t) for t in tensors)
-
-    @staticmethod
-    def backward(ctx, *grads):
-        ctx.callback()
-        return (None, *grads)
-
-
 class _Recorder:
     """Marks the meter with ``"<phase>:<stage>"`` as stages start, are recomputed and finish their backward."""
 
@@ -214,7 +199,7 @@ class _StageInterpreter(fx.Interpreter):
                     external.append(src)
         if external:
             recorder = self.recorder  # not self: the marker must not keep this interpreter's values alive
-            marked = _BackwardMarker.apply(lambda: recorder.backward_done(stage),
+            marked = BackwardMarker.apply(lambda: recorder.backward_done(stage),
                                            *[self.env[s] for s in external])
             for src, value in zip(external, marked):
                 self.env[src] = value
