@@ -24,6 +24,7 @@
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import re
 from collections import Counter
 from dataclasses import dataclass
@@ -114,10 +115,38 @@ def partition_stages(profile: GraphProfile, *, max_stages: int = 64, min_share: 
             pending = []
     if pending:
         merged.append(pending)
-    while len(merged) > max_stages:
-        i = min(range(len(merged) - 1), key=lambda j: _weight(merged[j]) + _weight(merged[j + 1]))
-        merged[i:i + 2] = [merged[i] + merged[i + 1]]
+    merged = _merge_lightest_pairs(merged, max_stages)
     return [StageSpec(_stage_name(run, depth), tuple(n.name for n in run)) for run in merged]
+
+
+def _merge_lightest_pairs(runs: list[list[NodeProfile]], max_stages: int) -> list[list[NodeProfile]]:
+    """Merge the adjacent pair of runs with the least total weight (the leftmost on ties) until at most
+    ``max_stages`` remain; a heap over pairs keeps it ``n log n`` on graphs of many thousand runs."""
+    weights = [sum(n.flops + n.created_bytes for n in run) for run in runs]  # exact: sums of integers
+    following = list(range(1, len(runs) + 1))
+    preceding = list(range(-1, len(runs) - 1))
+    version = [0] * len(runs)  # bumped when a run grows or goes, so stale pairs are skipped
+    heap = [(weights[i] + weights[i + 1], i, 0, 0) for i in range(len(runs) - 1)]
+    heapq.heapify(heap)
+    remaining = len(runs)
+    while remaining > max_stages:
+        _, i, version_i, version_j = heapq.heappop(heap)
+        j = following[i]
+        if version[i] != version_i or j >= len(runs) or version[j] != version_j:
+            continue
+        runs[i].extend(runs[j])
+        weights[i] += weights[j]
+        version[i] += 1
+        version[j] = -1
+        following[i] = following[j]
+        if following[j] < len(runs):
+            preceding[following[j]] = i
+        remaining -= 1
+        if preceding[i] >= 0:
+            heapq.heappush(heap, (weights[preceding[i]] + weights[i], preceding[i], version[preceding[i]], version[i]))
+        if following[i] < len(runs):
+            heapq.heappush(heap, (weights[i] + weights[following[i]], i, version[i], version[following[i]]))
+    return [run for run, v in zip(runs, version) if v >= 0]
 
 
 def _stage_name(run: Sequence[NodeProfile], depth: int) -> str:

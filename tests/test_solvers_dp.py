@@ -91,10 +91,15 @@ def test_a_cut_pareto_front_is_reported_as_feasible_only():
     problem = random_chain(14, 4, num_options=3)
     smallest = minimum_peak(problem)
     budget = smallest + (simulate(problem, Schedule()).peak_bytes - smallest) // 4
-    full, cut = solve_dp(problem, budget), solve_dp(problem, budget, front_limit=2)
+    full, cut = solve_dp(problem, budget), solve_dp(problem, budget, front_limit=2, bound=False)
     assert full.status == SolverStatus.OPTIMAL and cut.status == SolverStatus.FEASIBLE
     assert cut.predicted_peak_bytes <= budget
     assert cut.predicted_recompute_seconds >= full.predicted_recompute_seconds - 1e-9
+    # with the bound, a plan is proven optimal even when the search cut its fronts: the relaxation's own
+    # optimal schedule fits the problem here, and nothing is faster than the bound
+    proven = solve_dp(problem, budget, front_limit=2)
+    assert proven.status == SolverStatus.OPTIMAL and proven.gap == 0.0
+    assert proven.predicted_recompute_seconds == pytest.approx(full.predicted_recompute_seconds, abs=1e-9)
 
 
 # --- proven bounds, the classic case, time limits -------------------------------------------------------------------

@@ -47,7 +47,7 @@ import bisect
 import dataclasses
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import reduce
 from typing import Callable, NamedTuple
 
@@ -499,15 +499,6 @@ def _region_ends(tables: _Tables, i: int, budget: int | None, limit: int, track_
 
 # --- the outer program ---------------------------------------------------------------------------------------------------
 
-@dataclass(frozen=True)
-class _Move:
-    """Stage ``source[0]`` stored: from state ``source`` to ``target``, adding ``shift`` units to H."""
-
-    source: tuple[int, int, str]
-    shift: int
-    target: tuple[int, int, str]
-
-
 def _stored_move(tables: _Tables, i: int, how: int, kind: str) -> tuple[int, int]:
     """(need, adds) for storing stage ``i`` followed by ``kind``; need excludes H."""
     pend = tables.pending.get((i, how, "stored"), _NOTHING)
@@ -528,69 +519,57 @@ def _region_needs(tables: _Tables, i: int, how: int, closed: list[_Closed]) -> t
     return np.maximum(np.maximum(forward, after), held + table[:, 1]), held + table[:, 2]
 
 
-def _segments(shift: np.ndarray, top: np.ndarray, seconds: np.ndarray, lowest: int):
-    """Per distinct ``shift``, the H ranges ``lo .. hi`` on which one candidate is the fastest of those whose
-    ``top`` (the largest H they allow) reaches there: ``(shift, [(lo, hi, seconds, index), ...])``.
+def _envelope(shift: np.ndarray, top: np.ndarray, seconds: np.ndarray,
+              lowest: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per distinct ``shift``, the least ``seconds`` of the candidates whose ``top`` (the largest H they allow)
+    reaches each H from ``lowest`` to the largest top: ``(shifts, table)``, ``table[d, h - lowest]`` for the
+    ``d``-th shift (inf where none reaches).
 
-    >>> [(s, [(lo, hi, t, int(j)) for lo, hi, t, j in seg])
-    ...  for s, seg in _segments(np.array([0, 0, 1]), np.array([9, 4, 5]), np.array([2.0, 1.0, 3.0]), 0)]
-    [(0, [(5, 9, 2.0, 0), (0, 4, 1.0, 1)]), (1, [(0, 5, 3.0, 2)])]
+    >>> shifts, table = _envelope(np.array([0, 0, 1]), np.array([3, 1, 2]), np.array([2.0, 1.0, 3.0]), 0)
+    >>> shifts.tolist(), table.tolist()
+    ([0, 1], [[1.0, 1.0, 2.0, 2.0], [3.0, 3.0, 3.0, inf]])
     """
-    order = np.lexsort((seconds, -top, shift))
-    groups: dict[int, list[tuple[int, int, float, int]]] = {}
-    best = np.inf
-    current = None
-    for index in order:
-        s = int(shift[index])
-        if s != current:
-            current, best = s, np.inf
-            groups[s] = []
-        if seconds[index] >= best or top[index] < lowest:
-            continue
-        best = float(seconds[index])
-        segments = groups[s]
-        if segments:  # the previous, slower candidate keeps only the H above this one's top
-            lo, hi, t, j = segments[-1]
-            if lo <= top[index]:
-                segments[-1] = (int(top[index]) + 1, hi, t, j)
-                if segments[-1][0] > hi:
-                    segments.pop()
-        segments.append((lowest, int(top[index]), best, int(index)))
-    return [(s, segments) for s, segments in groups.items() if segments]
-
-
-_BATCH = 1 << 24  # choice codes of batched moves: -(batch number * _BATCH + index in the batch)
+    shifts, row = np.unique(shift, return_inverse=True)
+    highest = int(top.max())
+    table = np.full((len(shifts), highest - lowest + 1), np.inf)  # columns from the highest H down: contiguous
+    np.minimum.at(table, (row, highest - top), seconds)
+    np.minimum.accumulate(table, axis=1, out=table)
+    return shifts, table[:, ::-1]
 
 
 @dataclass(frozen=True)
 class _Batch:
-    """Regions relaxed together: one start, end, following kind and last option; ``shifts`` in units of H."""
+    """Transitions relaxed together into one state: from ``source``, candidate ``j`` moves H up by ``shifts[j]``
+    units from any H up to ``tops[j]`` and costs ``seconds[j]``; ``options[j]`` is its region's options (None for
+    a stored stage)."""
 
     source: tuple[int, int, str]
     shifts: np.ndarray
-    options: list[tuple[int, ...]]
-    target: tuple[int, int, str]
+    tops: np.ndarray
+    seconds: np.ndarray
+    options: list[tuple[int, ...]] | None
 
 
 class _Outer:
-    """States ``(i, how stage i-1 ran, kind of segment at i)``, each an array over H (in units) of least seconds."""
+    """States ``(i, how stage i-1 ran, kind of segment at i)``, each an array over H (in units) of least seconds.
+
+    No back-pointers are kept: a schedule is read back by finding, at each state, a transition whose source
+    value plus its seconds equals the state's value (the same float sum, so equal exactly)."""
 
     def __init__(self, tables: _Tables, budget: int):
         self.tables, self.budget = tables, budget
-        self.size = budget // tables.unit + 1
+        self.size = _span(tables.problem, budget) // tables.unit + 1
         self.times: dict[tuple[int, int, str], np.ndarray] = {}
-        self.choice: dict[tuple[int, int, str], np.ndarray] = {}
-        self.moves: list[_Move] = []
-        self.batches: list[_Batch] = []
+        self.incoming: dict[tuple[int, int, str], list[_Batch]] = {}
         self.lowest: dict[tuple[int, int, str], int] = {}  # first reachable H of each source state
         for kind in KINDS:
-            self._state((0, NO_STAGE, kind))[0][0] = 0.0
+            self._state((0, NO_STAGE, kind))[0] = 0.0
 
-    def _state(self, key: tuple[int, int, str]) -> tuple[np.ndarray, np.ndarray]:
+    def _state(self, key: tuple[int, int, str]) -> np.ndarray:
         if key not in self.times:
             self.times[key] = np.full(self.size, np.inf)
-            self.choice[key] = np.full(self.size, -1, dtype=np.int64)
-        return self.times[key], self.choice[key]
+            self.incoming[key] = []
+        return self.times[key]
 
     def relax_stored(self, source: tuple[int, int, str], need: int, adds: int,
                      target: tuple[int, int, str]) -> None:
@@ -600,13 +579,10 @@ class _Outer:
         top = min((self.budget - need) // unit, self.size - 1 - shift)
         if top < self.lowest[source]:
             return
-        dest, chosen = self._state(target)
-        window = slice(shift, shift + top + 1)
-        candidate = self.times[source][:top + 1]
-        better = candidate < dest[window]
-        self.moves.append(_Move(source, shift, target))
-        np.copyto(dest[window], candidate, where=better)
-        np.copyto(chosen[window], len(self.moves) - 1, where=better)
+        dest = self._state(target)
+        window = dest[shift:shift + top + 1]
+        np.minimum(window, self.times[source][:top + 1], out=window)
+        self.incoming[target].append(_Batch(source, np.array([shift]), np.array([top]), np.zeros(1), None))
 
     def relax_regions(self, source: tuple[int, int, str], closed: list[_Closed],
                       target: tuple[int, int, str]) -> None:
@@ -620,17 +596,16 @@ class _Outer:
             return
         shift, top = shift[keep], top[keep]
         seconds = np.array([closed[k].seconds for k in keep])
-        dest, chosen = self._state(target)
+        dest = self._state(target)
         source_times = self.times[source]
-        self.batches.append(_Batch(source, shift, [closed[j].options for j in keep], target))
-        code = -len(self.batches) * _BATCH  # negative: a batch entry
-        for s, segments in _segments(shift, top, seconds, self.lowest[source]):
-            for lo, hi, seconds_here, index in segments:  # H in lo .. hi: the fastest region allowing it
-                candidate = source_times[lo:hi + 1] + seconds_here
-                window = slice(s + lo, s + hi + 1)
-                better = candidate < dest[window]
-                np.copyto(dest[window], candidate, where=better)
-                np.copyto(chosen[window], code - index, where=better)
+        lowest = self.lowest[source]
+        shifts, table = _envelope(shift, top, seconds, lowest)
+        reach = source_times[lowest:lowest + table.shape[1]]
+        for s, row in zip(shifts.tolist(), table):  # the best arrival from each H, per shift
+            width = min(len(row), self.size - s - lowest)  # past it, this shift's candidates reach nothing
+            window = dest[s + lowest:s + lowest + width]
+            np.minimum(window, row[:width] + reach[:width], out=window)
+        self.incoming[target].append(_Batch(source, shift, top, seconds, [closed[j].options for j in keep]))
 
     def sources(self, i: int) -> list[tuple[int, int, str]]:
         """The reachable states at position ``i`` (final once the program is there)."""
@@ -650,16 +625,23 @@ class _Outer:
     def schedule(self, key: tuple[int, int, str], h: int) -> Schedule:
         regions = []
         while key[0] > 0:
-            code = int(self.choice[key][h])
-            if code >= 0:
-                move = self.moves[code]
-                key, h = move.source, h - move.shift
-                continue
-            batch, k = divmod(-code, _BATCH)
-            record = self.batches[batch - 1]
-            regions.append(Region(record.source[0], record.target[0], record.options[k]))
-            key, h = record.source, h - int(record.shifts[k])
+            batch, j = self._arrival(key, h)
+            if batch.options is not None:
+                regions.append(Region(batch.source[0], key[0], batch.options[j]))
+            key, h = batch.source, h - int(batch.shifts[j])
         return Schedule(tuple(reversed(regions)))
+
+    def _arrival(self, key: tuple[int, int, str], h: int) -> tuple[_Batch, int]:
+        """A transition (batch, candidate) that gives state ``key`` its value at ``h``."""
+        value = self.times[key][h]
+        for batch in self.incoming[key]:
+            start = h - batch.shifts
+            valid = (start >= 0) & (start <= batch.tops)
+            arrived = self.times[batch.source][np.where(valid, start, 0)] + batch.seconds
+            match = np.flatnonzero(valid & (arrived == value))
+            if len(match):
+                return batch, int(match[0])
+        raise AssertionError(f"no transition reaches state {key} at H={h}")
 
 
 def _least_seconds(tables: _Tables, budget: int, limit: int, ceiling: float = math.inf,
@@ -673,7 +655,8 @@ def _least_seconds(tables: _Tables, budget: int, limit: int, ceiling: float = ma
     exact = True
     for i in range(n):
         if search is not None:
-            search.check(f"dp: stage {i + 1}/{n}" + (f", ceiling {ceiling:.4g}s" if ceiling < math.inf else ""))
+            search.check(f"{search.label}: stage {i + 1}/{n}"
+                         + (f", ceiling {ceiling:.4g}s" if ceiling < math.inf else ""))
         sources = outer.sources(i)
         for source in [s for s in sources if s[2] == "stored"]:
             for kind in (KINDS if i + 1 < n else (NONE,)):
@@ -751,13 +734,20 @@ def _front(entries: list[tuple[int, int, tuple | None]]) -> list[tuple[int, int,
     return kept
 
 
+def _span(problem: Problem, budget_bytes: int) -> int:
+    """The bytes H can range over: every event counts the fixed memory besides H."""
+    return max(budget_bytes - problem.fixed_bytes, 1)
+
+
 def _unit(problem: Problem, budget_bytes: int, buckets: int) -> tuple[int, bool]:
-    """The bytes per step of H, and whether every tensor size is a multiple of it (no rounding)."""
+    """The bytes per step of H (``buckets`` steps over the budget above the fixed memory), and whether every
+    tensor size is a multiple of it (no rounding)."""
     sizes = [t.nbytes for t in problem.tensors if t.nbytes > 0]
     gcd = reduce(math.gcd, sizes, 0) or 1
-    if budget_bytes // gcd <= buckets:
+    span = _span(problem, budget_bytes)
+    if span // gcd <= buckets:
         return gcd, True
-    unit = -(-budget_bytes // buckets)
+    unit = -(-span // buckets)
     return unit, all(size % unit == 0 for size in sizes)
 
 
@@ -852,8 +842,7 @@ class _Search:
     deadline: float | None = None
     progress: Callable[[str], None] | None = None
     longest_region: int | None = None  # stages; None: any (a bound's search must not cap them)
-    bound_for: Problem | None = None  # the problem a coarse bound is wanted for, on long time-limited searches
-    found: dict = field(default_factory=dict, compare=False)  # what a search found on the way (the coarse bound)
+    label: str = "dp"  # what progress lines start with
 
     def check(self, message: str) -> None:
         self.check_time(message)
@@ -872,36 +861,9 @@ def _first_ceiling(problem: Problem) -> float:
     return min(positive, default=0.0)
 
 
-COARSE_BUCKETS = 150  # memory steps of the quick first bound of long, time-limited problems
-SHORT_REGIONS = 2  # stages per region in the quick first search of long problems
-LONG_PROBLEM = 16  # stages from which the quick search runs first
-
-
-def _upper(problem: Problem, search: _Search) -> tuple[Schedule | None, bool]:
-    """The program's fastest schedule within the budget (rounding up: never over the budget on chains).
-
-    On long problems a quick search with regions of at most ``SHORT_REGIONS`` stages runs first; its plan's
-    seconds are the first ceiling of the full search, which gets half the time left (its plan is kept when the
-    full search runs out of time)."""
-    if problem.num_stages < LONG_PROBLEM or search.longest_region is not None:
-        return _passes(problem, search, _first_ceiling(problem))
-    quick, _ = _passes(problem, dataclasses.replace(search, longest_region=SHORT_REGIONS), _first_ceiling(problem))
-    if quick is None:
-        return _passes(problem, search, _first_ceiling(problem))
-    if search.deadline is not None and search.bound_for is not None:
-        # a coarse bound now (fast, still proven), in case the time runs out before the fine one finishes
-        deadline = time.perf_counter() + (search.deadline - time.perf_counter()) / 3
-        search.found["coarse bound"] = lower_bound(
-            search.bound_for, search.budget, ceiling=simulate(problem, quick).recompute_seconds * (1 + 1e-9),
-            buckets=COARSE_BUCKETS, deadline=deadline)
-    deadline = search.deadline
-    if deadline is not None:
-        deadline = time.perf_counter() + (deadline - time.perf_counter()) / 2
-    try:
-        return _passes(problem, dataclasses.replace(search, deadline=deadline),
-                       simulate(problem, quick).recompute_seconds)
-    except SolverTimeout:
-        return quick, False
+COARSE_BUCKETS = 500  # memory steps of the first, quicker bound of long, time-limited problems
+SHORT_REGIONS = 2  # stages per region in the quick first search
+LONG_PROBLEM = 16  # stages from which a time-limited solve takes a coarse bound first
 
 
 def _passes(problem: Problem, search: _Search, first_ceiling: float) -> tuple[Schedule | None, bool]:
@@ -948,17 +910,22 @@ def lower_bound(problem: Problem, budget_bytes: int, *, ceiling: float = math.in
     >>> lower_bound(Problem(stages, inner + edges), 250)
     2.0
     """
+    return _relaxed_optimum(problem, budget_bytes, _Search(budget_bytes, buckets, 1 << 62, deadline), ceiling)[0]
+
+
+def _relaxed_optimum(problem: Problem, budget_bytes: int, search: _Search,
+                     ceiling: float) -> tuple[float | None, Schedule | None]:
+    """:func:`lower_bound`, with the relaxation's optimal schedule (None when none is within ``ceiling``). When
+    that schedule also fits ``problem``, it is optimal there: nothing is faster than the bound."""
     relaxed = chain_relaxation(problem)
-    unit, _ = _unit(relaxed, budget_bytes, buckets)
-    search = _Search(budget_bytes, buckets, 1 << 62, deadline)
+    unit, _ = _unit(relaxed, budget_bytes, search.buckets)
     try:
-        schedule, _ = _least_seconds(_tables(relaxed, unit, optimistic=True), budget_bytes, search.limit,
-                                     ceiling, search)
+        schedule, _ = _least_seconds(_tables(relaxed, unit, optimistic=True), budget_bytes, 1 << 62, ceiling, search)
     except SolverTimeout:
-        return None
+        return None, None
     if schedule is None:
-        return ceiling
-    return simulate(relaxed, schedule).recompute_seconds
+        return ceiling, None
+    return simulate(relaxed, schedule).recompute_seconds, schedule
 
 
 def relative_gap(seconds: float, bound: float | None) -> float | None:
@@ -988,8 +955,11 @@ def solve_dp(problem: Problem, budget_bytes: int, *, buckets: int = 2000, front_
     plan (default: all of them up to 256, fewer on long problems); the bound never cuts. ``time_limit`` (seconds)
     stops the search: the best plan found so far is returned (a baseline if none), with the gap when the bound
     finished; ``progress`` receives a line per stage. ``bound=False`` skips the bound (gap None unless exact).
-    While the gap exceeds ``target_gap`` (rounding to ``buckets`` steps of memory is what usually opens it), up
-    to ``refinements`` more rounds run with four times finer steps, keeping the best plan and bound.
+    The order: a quick search with regions of at most ``SHORT_REGIONS`` stages gives a first plan; the bound's
+    search follows, within that plan's seconds, and when the relaxation's optimal schedule also fits the problem
+    it is returned, proven optimal. Else the full search runs within the best plan's seconds. While the gap
+    exceeds ``target_gap`` (rounding to ``buckets`` steps of memory is what usually opens it), up to
+    ``refinements`` more rounds run with four times finer steps, keeping the best plan and bound.
     Raises :class:`~planner.errors.InfeasibleBudgetError` with the smallest achievable peak when no schedule fits.
 
     >>> from planner.problem import Problem, Stage, TensorInfo
@@ -1015,38 +985,55 @@ def solve_dp(problem: Problem, budget_bytes: int, *, buckets: int = 2000, front_
         return plan(store_all(problem), 0.0)
     if budget_bytes <= 0:
         raise infeasible_budget_error(problem, budget_bytes, minimum_peak_schedule(problem))
-    search = _Search(budget_bytes, buckets, front_limit or _front_limit(problem), deadline, progress,
-                     bound_for=problem if bound else None)
+    search = _Search(budget_bytes, buckets, front_limit or _front_limit(problem), deadline, progress)
     try:
-        schedule, exact = _within_budget(problem, search)
+        schedule, exact = _within_budget(problem, dataclasses.replace(search, longest_region=SHORT_REGIONS))
     except SolverTimeout:
-        schedule, exact = _best_baseline(problem, budget_bytes), False
+        schedule = _best_baseline(problem, budget_bytes)
         if schedule is None:
             raise PlannerError(f"the dynamic program found no plan within its time limit of {time_limit:g}s",
                                hint="raise time_limit, or use solver='ilp'") from None
         return plan(schedule, None)
     seconds = simulate(problem, schedule).recompute_seconds
-    lower = search.found.get("coarse bound")
-    for round_ in range(refinements + 1 if bound and not exact else 0):
-        if round_:
-            search = dataclasses.replace(search, buckets=search.buckets * 4)
-            try:
-                finer, exact = _within_budget(problem, search)
-            except SolverTimeout:
-                break
-            if simulate(problem, finer).recompute_seconds < seconds:
-                schedule, seconds = finer, simulate(problem, finer).recompute_seconds
-            if exact:
-                break
-        found = lower_bound(problem, budget_bytes, ceiling=seconds * (1 + 1e-9), buckets=search.buckets,
-                            deadline=deadline)
-        lower = found if lower is None or (found is not None and found > lower) else lower
-        if lower is None or (relative_gap(seconds, lower) or 0.0) <= target_gap:
+    lower = None
+    if bound and not exact and deadline is not None and problem.num_stages >= LONG_PROBLEM:
+        # a coarse bound first (fast, still proven), in case the time runs out before the fine one finishes
+        lower = _relaxed_optimum(problem, budget_bytes, _bound_search(search, COARSE_BUCKETS, 1 / 2),
+                                 seconds * (1 + 1e-9))[0]
+    for round_ in range(refinements + 1):
+        if exact or (bound and (relative_gap(seconds, lower) or 0.0) <= target_gap and lower is not None):
             break
-        if _unit(problem, budget_bytes, search.buckets)[1] and \
-                _unit(chain_relaxation(problem), budget_bytes, search.buckets)[1]:
-            break  # nothing was rounded: finer steps change nothing
+        if round_:
+            if bound and _unit(problem, budget_bytes, search.buckets)[1] and \
+                    _unit(chain_relaxation(problem), budget_bytes, search.buckets)[1]:
+                break  # nothing was rounded: finer steps change nothing
+            search = dataclasses.replace(search, buckets=search.buckets * 4)
+        if bound:
+            found, relaxed_plan = _relaxed_optimum(problem, budget_bytes, _bound_search(search, search.buckets, 1 / 2),
+                                                   seconds * (1 + 1e-9))
+            lower = found if lower is None or (found is not None and found > lower) else lower
+            if relaxed_plan is not None and simulate(problem, relaxed_plan).peak_bytes <= budget_bytes \
+                    and simulate(problem, relaxed_plan).recompute_seconds <= seconds:
+                schedule, seconds = relaxed_plan, simulate(problem, relaxed_plan).recompute_seconds
+            if lower is not None and (relative_gap(seconds, lower) or 0.0) <= target_gap:
+                break
+        try:
+            better, exact = _within_budget(problem, search, seconds)
+        except SolverTimeout:
+            break
+        if simulate(problem, better).recompute_seconds < seconds:
+            schedule, seconds = better, simulate(problem, better).recompute_seconds
+        if not bound:
+            break
     return plan(schedule, lower, exact)
+
+
+def _bound_search(search: _Search, buckets: int, share: float) -> _Search:
+    """The search of a bound: ``buckets`` steps, no front cut, at most ``share`` of the time left."""
+    deadline = search.deadline
+    if deadline is not None:
+        deadline = time.perf_counter() + (deadline - time.perf_counter()) * share
+    return _Search(search.budget, buckets, 1 << 62, deadline, search.progress, label="bound")
 
 
 PINNED_LIMIT = 16  # far-reaching tensors the program tracks one by one; beyond, it plans on chain_restriction
@@ -1088,17 +1075,19 @@ def _far_reaching(problem: Problem) -> int:
     return len(_split_far(problem)[1])
 
 
-def _within_budget(problem: Problem, search: _Search) -> tuple[Schedule, bool]:
+def _within_budget(problem: Problem, search: _Search, ceiling: float | None = None) -> tuple[Schedule, bool]:
     """The program's plan, checked with ``simulate`` (tightening the budget if its model ever under-estimated),
     or the least-peak schedule when rounding hid every plan; raises when no schedule fits at all. Problems with
-    more than ``PINNED_LIMIT`` far-reaching tensors are planned on :func:`chain_restriction`."""
+    more than ``PINNED_LIMIT`` far-reaching tensors are planned on :func:`chain_restriction`. ``ceiling``: the
+    recompute seconds of a known plan, the first ceiling of the search (default: the fastest recomputation)."""
+    first_ceiling = _first_ceiling(problem) if ceiling is None else ceiling
     if _far_reaching(problem) > PINNED_LIMIT:
-        schedule, _ = _upper(chain_restriction(problem), search)
+        schedule, _ = _passes(chain_restriction(problem), search, first_ceiling)
         if schedule is not None and simulate(problem, schedule).peak_bytes <= search.budget:
             return schedule, False
     target = search.budget
     for attempt in range(3):  # the model over-estimates memory, so one pass suffices; tighten if it ever does not
-        schedule, exact = _upper(problem, dataclasses.replace(search, budget=target))
+        schedule, exact = _passes(problem, dataclasses.replace(search, budget=target), first_ceiling)
         if schedule is None:
             break
         peak = simulate(problem, schedule).peak_bytes
