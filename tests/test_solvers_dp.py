@@ -10,7 +10,8 @@ import pytest
 from planner.errors import InfeasibleBudgetError
 from planner.plan import SolverStatus
 from planner.problem import Problem, Schedule, Stage, TensorInfo, simulate
-from planner.solvers.dp import chain_relaxation, lower_bound, minimum_peak, relative_gap, solve_dp
+from planner.solvers.dp import (_relaxed_optimum, _Search, chain_relaxation, lower_bound, minimum_peak, relative_gap,
+                                solve_dp)
 from planner.solvers.ilp import solve_ilp
 from tests.solver_problems import (brute_force_best, brute_force_table, layered_chain, random_chain, random_dag,
                                    random_schedule)
@@ -157,6 +158,24 @@ def test_lower_bound_is_below_the_true_optimum_and_the_gap_is_honest(maker, seed
         assert plan.lower_bound_seconds <= best + 1e-9 <= plan.predicted_recompute_seconds + 2e-9
         assert plan.gap == pytest.approx(relative_gap(plan.predicted_recompute_seconds, plan.lower_bound_seconds))
         assert (plan.status is SolverStatus.OPTIMAL) == (plan.gap <= 1e-9)
+
+
+@pytest.mark.parametrize("maker,seed", [(random_chain, 2), (random_chain, 4), (random_dag, 8)])
+def test_a_bound_with_merged_fronts_stays_below_the_true_optimum(maker, seed):
+    problem = maker(5, seed)
+    table = brute_force_table(problem)
+    peaks = sorted({peak for peak, _, _ in table})
+    loosened = False
+    for budget in (peaks[0], peaks[len(peaks) // 3]):
+        best = brute_force_best(table, budget)
+        exact = lower_bound(problem, budget)
+        for limit in (1, 2, 4):  # runs of points merge into their ideal point past this many per state
+            merged, schedule = _relaxed_optimum(problem, budget, _Search(budget, 2000, limit), math.inf)
+            assert merged <= exact + 1e-9 and merged <= best + 1e-9
+            assert schedule is not None
+            assert simulate(problem, schedule).recompute_seconds == pytest.approx(merged)
+            loosened |= merged < exact - 1e-9
+    assert loosened or maker is random_dag  # on the chains some merge really happened
 
 
 def test_coarse_rounding_is_refined_until_the_gap_closes():

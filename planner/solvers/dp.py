@@ -25,9 +25,12 @@ outputs really are), which over-estimates memory: the program stays feasible but
 returned plan is checked with ``simulate``.
 
 Search: passes keep only partial plans within a ceiling on recompute seconds (growing until a pass's plan is
-within its ceiling, which proves it the program's optimum); long problems first search regions of at most
-``SHORT_REGIONS`` stages. Bound: :func:`lower_bound` solves :func:`chain_relaxation` with byte counts rounded
-down and fronts uncut, so every plan carries a proven ``gap`` and ``lower_bound_seconds``.
+within its ceiling, which proves it the program's optimum); a quick search with regions of at most
+``SHORT_REGIONS`` stages runs first. Bound: :func:`lower_bound` solves :func:`chain_relaxation` with byte counts
+rounded down and fronts never cut (past a limit, runs of points merge into their ideal point), so every plan
+carries a proven ``gap`` and ``lower_bound_seconds``; when the relaxation's optimal schedule fits the problem
+itself, it is the plan, proven optimal. The program's state arrays hold no back-pointers: schedules are read
+back by matching values.
 
 >>> from planner.problem import Problem, Stage, TensorInfo
 >>> stages = tuple(Stage(f"s{i}", 1.0, 2.0) for i in range(4))
@@ -270,10 +273,12 @@ class _Closed:
     options: tuple[int, ...]
 
 
-def _pareto(points: list[_Open], limit: int) -> tuple[list[_Open], bool]:
+def _pareto(points: list[_Open], limit: int, optimistic: bool = False) -> tuple[list[_Open], bool]:
     """Drop points another point beats in every cost (each cost only ever adds to later events, so a point no
     worse in all of them serves every completion at least as well); keep at most ``limit``, spread from fastest
-    to leanest (False when some were cut)."""
+    to leanest (False when some were cut). ``optimistic`` (a bound's search): instead of dropping points, merge
+    runs of them into their :func:`_ideal` point, which serves every completion at least as well as each of them,
+    so the program's optimum stays a lower bound (but its schedule may not exist)."""
     groups: dict[tuple, list[_Open]] = {}
     for point in points:
         groups.setdefault((point.need, point.copies, point.forward_now, point.forward_first), []).append(point)
@@ -283,8 +288,20 @@ def _pareto(points: list[_Open], limit: int) -> tuple[list[_Open], bool]:
     kept.sort(key=lambda x: x.seconds)
     if len(kept) <= limit:
         return kept, True
+    if optimistic:
+        cuts = [round(j * len(kept) / limit) for j in range(limit + 1)]
+        return [_ideal(kept[a:b]) for a, b in zip(cuts, cuts[1:]) if b > a], False
     step = (len(kept) - 1) / (limit - 1)
     return [kept[round(j * step)] for j in range(limit)], False
+
+
+def _ideal(points: list[_Open]) -> _Open:
+    """The least of every cost over ``points`` (of one key, fastest first), with the fastest point's options."""
+    first = points[0]
+    return first._replace(cached=min(p.cached for p in points), unsaved=min(p.unsaved for p in points),
+                          copies=min(p.copies for p in points), need=min(p.need for p in points),
+                          forward_now=min(p.forward_now for p in points),
+                          forward_first=min(p.forward_first for p in points))
 
 
 def _staircase(items: list, costs) -> list:
@@ -469,7 +486,7 @@ class _Region:
             groups.setdefault(point.key(), []).append(point)
         kept = []
         for group in groups.values():
-            front, complete = _pareto(group, self.limit)
+            front, complete = _pareto(group, self.limit, self.tables.optimistic)
             self.exact &= complete
             kept += front
         return kept
@@ -919,12 +936,15 @@ def _relaxed_optimum(problem: Problem, budget_bytes: int, search: _Search,
     that schedule also fits ``problem``, it is optimal there: nothing is faster than the bound."""
     relaxed = chain_relaxation(problem)
     unit, _ = _unit(relaxed, budget_bytes, search.buckets)
+    tables = _tables(relaxed, unit, optimistic=True)
     try:
-        schedule, _ = _least_seconds(_tables(relaxed, unit, optimistic=True), budget_bytes, 1 << 62, ceiling, search)
+        schedule, _ = _least_seconds(tables, budget_bytes, search.limit, ceiling, search)
     except SolverTimeout:
         return None, None
     if schedule is None:
         return ceiling, None
+    # with merged points the schedule's memory may be optimistic, but its seconds are the program's optimum
+    # (a merged point keeps its fastest member's options and seconds); the caller checks that it fits
     return simulate(relaxed, schedule).recompute_seconds, schedule
 
 
@@ -952,8 +972,8 @@ def solve_dp(problem: Problem, budget_bytes: int, *, buckets: int = 2000, front_
 
     The plan's ``gap`` is proven: the lower bound is the optimum of a relaxation. Status ``OPTIMAL`` when the gap
     is zero, else ``FEASIBLE``. ``front_limit`` caps the Pareto points kept per inner state of the search for a
-    plan (default: all of them up to 256, fewer on long problems); the bound never cuts. ``time_limit`` (seconds)
-    stops the search: the best plan found so far is returned (a baseline if none), with the gap when the bound
+    plan (default: all of them up to 256, fewer on long problems); the bound's search merges points into ideal
+    ones past ``BOUND_FRONTS`` times that, which keeps it a bound. ``time_limit`` (seconds) stops the search: the best plan found so far is returned (a baseline if none), with the gap when the bound
     finished; ``progress`` receives a line per stage. ``bound=False`` skips the bound (gap None unless exact).
     The order: a quick search with regions of at most ``SHORT_REGIONS`` stages gives a first plan; the bound's
     search follows, within that plan's seconds, and when the relaxation's optimal schedule also fits the problem
@@ -998,7 +1018,7 @@ def solve_dp(problem: Problem, budget_bytes: int, *, buckets: int = 2000, front_
     lower = None
     if bound and not exact and deadline is not None and problem.num_stages >= LONG_PROBLEM:
         # a coarse bound first (fast, still proven), in case the time runs out before the fine one finishes
-        lower = _relaxed_optimum(problem, budget_bytes, _bound_search(search, COARSE_BUCKETS, 1 / 2),
+        lower = _relaxed_optimum(problem, budget_bytes, _bound_search(search, COARSE_BUCKETS, 1 / 2, fronts=1),
                                  seconds * (1 + 1e-9))[0]
     for round_ in range(refinements + 1):
         if exact or (bound and (relative_gap(seconds, lower) or 0.0) <= target_gap and lower is not None):
@@ -1028,12 +1048,16 @@ def solve_dp(problem: Problem, budget_bytes: int, *, buckets: int = 2000, front_
     return plan(schedule, lower, exact)
 
 
-def _bound_search(search: _Search, buckets: int, share: float) -> _Search:
-    """The search of a bound: ``buckets`` steps, no front cut, at most ``share`` of the time left."""
+BOUND_FRONTS = 4  # a bound's search merges points past this many times the plan search's front limit
+
+
+def _bound_search(search: _Search, buckets: int, share: float, fronts: int = BOUND_FRONTS) -> _Search:
+    """The search of a bound: ``buckets`` steps, fronts merged (never cut) past ``fronts`` times the search's
+    limit, at most ``share`` of the time left."""
     deadline = search.deadline
     if deadline is not None:
         deadline = time.perf_counter() + (deadline - time.perf_counter()) * share
-    return _Search(search.budget, buckets, 1 << 62, deadline, search.progress, label="bound")
+    return _Search(search.budget, buckets, search.limit * fronts, deadline, search.progress, label="bound")
 
 
 PINNED_LIMIT = 16  # far-reaching tensors the program tracks one by one; beyond, it plans on chain_restriction
