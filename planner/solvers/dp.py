@@ -526,45 +526,69 @@ def _stored_move(tables: _Tables, i: int, how: int, kind: str) -> tuple[int, int
     return max(forward, start, after), held
 
 
-def _region_needs(tables: _Tables, i: int, how: int, closed: list[_Closed]) -> tuple[np.ndarray, np.ndarray]:
-    """(needs, adds) of closed regions at ``i`` after stage ``i-1`` ran as ``how``; needs exclude H."""
+def _cost_table(closed: list[_Closed]) -> np.ndarray:
+    """Closed regions' (forward_first, need, adds), one row each."""
+    return np.array([(c.forward_first, c.need, c.adds) for c in closed], dtype=np.int64).reshape(-1, 3)
+
+
+def _region_needs(tables: _Tables, i: int, how: int, table: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(needs, adds) of closed regions at ``i`` (a :func:`_cost_table`) after stage ``i-1`` ran as ``how``; needs
+    exclude H."""
     pend = tables.pending.get((i, how, "region"), _NOTHING)
     held = pend.own + pend.held_by_next
-    table = np.array([(c.forward_first, c.need, c.adds) for c in closed], dtype=np.int64).reshape(-1, 3)
     forward = tables.fwd_base[i] + held + pend.read_only + table[:, 0]
     after = tables.after_base[i] + pend.own
     return np.maximum(np.maximum(forward, after), held + table[:, 1]), held + table[:, 2]
 
 
-def _envelope(shift: np.ndarray, top: np.ndarray, seconds: np.ndarray,
+def _envelope(key: np.ndarray, top: np.ndarray, seconds: np.ndarray,
               lowest: int) -> tuple[np.ndarray, np.ndarray]:
-    """Per distinct ``shift``, the least ``seconds`` of the candidates whose ``top`` (the largest H they allow)
-    reaches each H from ``lowest`` to the largest top: ``(shifts, table)``, ``table[d, h - lowest]`` for the
-    ``d``-th shift (inf where none reaches).
+    """Per distinct ``key`` (a shift of H and the state reached), the least ``seconds`` of the candidates whose
+    ``top`` (the largest H they allow) reaches each H from ``lowest`` to the largest top: ``(keys, table)``,
+    ``table[d, h - lowest]`` for the ``d``-th key (inf where none reaches).
 
-    >>> shifts, table = _envelope(np.array([0, 0, 1]), np.array([3, 1, 2]), np.array([2.0, 1.0, 3.0]), 0)
-    >>> shifts.tolist(), table.tolist()
+    >>> keys, table = _envelope(np.array([0, 0, 1]), np.array([3, 1, 2]), np.array([2.0, 1.0, 3.0]), 0)
+    >>> keys.tolist(), table.tolist()
     ([0, 1], [[1.0, 1.0, 2.0, 2.0], [3.0, 3.0, 3.0, inf]])
     """
-    shifts, row = np.unique(shift, return_inverse=True)
+    keys, row = np.unique(key, return_inverse=True)
     highest = int(top.max())
-    table = np.full((len(shifts), highest - lowest + 1), np.inf)  # columns from the highest H down: contiguous
+    table = np.full((len(keys), highest - lowest + 1), np.inf)  # columns from the highest H down: contiguous
     np.minimum.at(table, (row, highest - top), seconds)
     np.minimum.accumulate(table, axis=1, out=table)
-    return shifts, table[:, ::-1]
+    return keys, table[:, ::-1]
 
 
 @dataclass(frozen=True)
 class _Batch:
-    """Transitions relaxed together into one state: from ``source``, candidate ``j`` moves H up by ``shifts[j]``
-    units from any H up to ``tops[j]`` and costs ``seconds[j]``; ``options[j]`` is its region's options (None for
-    a stored stage)."""
+    """Transitions relaxed together: from ``source``, candidate ``j`` moves H up by ``shifts[j]`` units from any H
+    up to ``tops[j]`` and costs ``seconds[j]``; its region's options are ``options[picks[j]]`` (``options`` None
+    for a stored stage)."""
 
     source: tuple[int, int, str]
     shifts: np.ndarray
     tops: np.ndarray
     seconds: np.ndarray
-    options: list[tuple[int, ...]] | None
+    options: list[tuple[int, ...]] | None = None
+    picks: np.ndarray | None = None
+
+
+@dataclass(frozen=True)
+class _Ends:
+    """The closed regions of one start, end and following kind, as arrays."""
+
+    costs: np.ndarray  # a _cost_table
+    seconds: np.ndarray
+    last: np.ndarray  # each region's last option: which state it reaches
+    options: list[tuple[int, ...]]
+
+    @classmethod
+    def of(cls, closed: list[_Closed]) -> "_Ends":
+        return cls(_cost_table(closed), np.array([c.seconds for c in closed], dtype=np.float64),
+                   np.array([c.options[-1] for c in closed], dtype=np.int64), [c.options for c in closed])
+
+
+_ONE = np.zeros(1, dtype=np.int64)  # the members of a one-candidate batch
 
 
 class _Outer:
@@ -577,7 +601,7 @@ class _Outer:
         self.tables, self.budget = tables, budget
         self.size = _span(tables.problem, budget) // tables.unit + 1
         self.times: dict[tuple[int, int, str], np.ndarray] = {}
-        self.incoming: dict[tuple[int, int, str], list[_Batch]] = {}
+        self.incoming: dict[tuple[int, int, str], list[tuple[_Batch, np.ndarray]]] = {}  # with its members
         self.lowest: dict[tuple[int, int, str], int] = {}  # first reachable H of each source state
         for kind in KINDS:
             self._state((0, NO_STAGE, kind))[0] = 0.0
@@ -599,30 +623,33 @@ class _Outer:
         dest = self._state(target)
         window = dest[shift:shift + top + 1]
         np.minimum(window, self.times[source][:top + 1], out=window)
-        self.incoming[target].append(_Batch(source, np.array([shift]), np.array([top]), np.zeros(1), None))
+        self.incoming[target].append((_Batch(source, np.array([shift]), np.array([top]), np.zeros(1)), _ONE))
 
-    def relax_regions(self, source: tuple[int, int, str], closed: list[_Closed],
-                      target: tuple[int, int, str]) -> None:
-        """Relax every closed region of one start, end, following kind and last option at once."""
+    def relax_regions(self, source: tuple[int, int, str], ends: _Ends, e: int, kind: str) -> None:
+        """Relax every closed region of one start, end and following kind at once: each reaches the state of
+        its last option."""
         unit = self.tables.unit
-        need, adds = _region_needs(self.tables, source[0], source[1], closed)
+        need, adds = _region_needs(self.tables, source[0], source[1], ends.costs)
         shift = self.tables.units(adds)
         top = np.minimum((self.budget - need) // unit, self.size - 1 - shift)
-        keep = np.flatnonzero(top >= self.lowest[source])
+        lowest = self.lowest[source]
+        keep = np.flatnonzero(top >= lowest)
         if not len(keep):
             return
-        shift, top = shift[keep], top[keep]
-        seconds = np.array([closed[k].seconds for k in keep])
-        dest = self._state(target)
-        source_times = self.times[source]
-        lowest = self.lowest[source]
-        shifts, table = _envelope(shift, top, seconds, lowest)
-        reach = source_times[lowest:lowest + table.shape[1]]
-        for s, row in zip(shifts.tolist(), table):  # the best arrival from each H, per shift
+        shift, top, last = shift[keep], top[keep], ends.last[keep]
+        seconds = ends.seconds[keep]
+        stride = self.size + 1
+        keys, table = _envelope(last * stride + shift, top, seconds, lowest)
+        reach = self.times[source][lowest:lowest + table.shape[1]]
+        for key, row in zip(keys.tolist(), table):  # the best arrival from each H, per last option and shift
+            option, s = divmod(key, stride)
+            dest = self._state((e + 1, option, kind))
             width = min(len(row), self.size - s - lowest)  # past it, this shift's candidates reach nothing
             window = dest[s + lowest:s + lowest + width]
             np.minimum(window, row[:width] + reach[:width], out=window)
-        self.incoming[target].append(_Batch(source, shift, top, seconds, [closed[j].options for j in keep]))
+        batch = _Batch(source, shift, top, seconds, ends.options, keep)
+        for option in np.unique(last).tolist():
+            self.incoming[(e + 1, option, kind)].append((batch, np.flatnonzero(last == option)))
 
     def sources(self, i: int) -> list[tuple[int, int, str]]:
         """The reachable states at position ``i`` (final once the program is there)."""
@@ -644,20 +671,20 @@ class _Outer:
         while key[0] > 0:
             batch, j = self._arrival(key, h)
             if batch.options is not None:
-                regions.append(Region(batch.source[0], key[0], batch.options[j]))
+                regions.append(Region(batch.source[0], key[0], batch.options[batch.picks[j]]))
             key, h = batch.source, h - int(batch.shifts[j])
         return Schedule(tuple(reversed(regions)))
 
     def _arrival(self, key: tuple[int, int, str], h: int) -> tuple[_Batch, int]:
         """A transition (batch, candidate) that gives state ``key`` its value at ``h``."""
         value = self.times[key][h]
-        for batch in self.incoming[key]:
-            start = h - batch.shifts
-            valid = (start >= 0) & (start <= batch.tops)
-            arrived = self.times[batch.source][np.where(valid, start, 0)] + batch.seconds
+        for batch, members in self.incoming[key]:
+            start = h - batch.shifts[members]
+            valid = (start >= 0) & (start <= batch.tops[members])
+            arrived = self.times[batch.source][np.where(valid, start, 0)] + batch.seconds[members]
             match = np.flatnonzero(valid & (arrived == value))
             if len(match):
-                return batch, int(match[0])
+                return batch, int(members[match[0]])
         raise AssertionError(f"no transition reaches state {key} at H={h}")
 
 
@@ -689,12 +716,10 @@ def _least_seconds(tables: _Tables, budget: int, limit: int, ceiling: float = ma
             if e is None:
                 exact &= closed
                 continue
-            by_last: dict[int, list[_Closed]] = {}
-            for c in closed:
-                by_last.setdefault(c.options[-1], []).append(c)
-            for source in region_sources:
-                for last, group in by_last.items():
-                    outer.relax_regions(source, group, (e + 1, last, kind))
+            if closed:
+                ends = _Ends.of(closed)
+                for source in region_sources:
+                    outer.relax_regions(source, ends, e, kind)
     found = outer.best(n)
     return (outer.schedule(*found) if found else None), exact
 
@@ -728,7 +753,7 @@ def _least_peak(tables: _Tables, limit: int) -> tuple[Schedule, bool]:
                 exact &= closed
                 continue
             for source in region_sources:
-                needs, adds = _region_needs(tables, i, source[1], closed)
+                needs, adds = _region_needs(tables, i, source[1], _cost_table(closed))
                 for c, need, added in zip(closed, needs.tolist(), adds.tolist()):
                     for entry in fronts[source]:
                         push(source, entry, need, added, Region(i, e + 1, c.options), (e + 1, c.options[-1], kind))
@@ -1018,7 +1043,7 @@ def solve_dp(problem: Problem, budget_bytes: int, *, buckets: int = 2000, front_
     lower = None
     if bound and not exact and deadline is not None and problem.num_stages >= LONG_PROBLEM:
         # a coarse bound first (fast, still proven), in case the time runs out before the fine one finishes
-        lower = _relaxed_optimum(problem, budget_bytes, _bound_search(search, COARSE_BUCKETS, 1 / 2, fronts=1),
+        lower = _relaxed_optimum(problem, budget_bytes, _bound_search(search, COARSE_BUCKETS, 2 / 3, fronts=1),
                                  seconds * (1 + 1e-9))[0]
     for round_ in range(refinements + 1):
         if exact or (bound and (relative_gap(seconds, lower) or 0.0) <= target_gap and lower is not None):
