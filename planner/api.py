@@ -159,15 +159,18 @@ def pose(captured: CapturedGraph, *, loss_fn: Callable | None = None, optimizer=
 
 def _calibrate_checkpoint_overheads(captured: CapturedGraph, problem: Problem, stage_nodes, loss_fn,
                                     repeats: int) -> Problem:
-    """Time eager, every stage checkpointed, and every stage checkpointed selectively; what those steps cost
-    beyond the recomputation the model predicts is the checkpoint machinery's, charged to the options."""
+    """Time eager, every stage checkpointed, and, for each option index, every stage that has it checkpointed
+    with it; what those steps cost beyond the recomputation the model predicts is the checkpoint machinery's (and
+    the error of summing the nodes' own times), charged to the options."""
     n = problem.num_stages
-    selective = tuple(1 if len(s.recompute_options) > 1 else 0 for s in problem.stages)
-    schedules = {"checkpoint": Schedule.uniform(n),
-                 "selective": Schedule(tuple(Region(k, k + 1, (o,)) for k, o in enumerate(selective)))}
+    levels = max(len(s.recompute_options) for s in problem.stages)
+    schedules = {"checkpoint": Schedule.uniform(n)}
+    for option in range(1, levels):
+        schedules[option] = Schedule(tuple(Region(k, k + 1, (option,)) for k, s in enumerate(problem.stages)
+                                           if option < len(s.recompute_options)))
     modules = {"eager": captured.graph_module}
     for name, schedule in schedules.items():
-        plan = Plan.from_schedule(problem, schedule, solver=name, status=SolverStatus.HEURISTIC)
+        plan = Plan.from_schedule(problem, schedule, solver=str(name), status=SolverStatus.HEURISTIC)
         modules[name] = planned_module(captured, plan, stage_nodes)
     args, kwargs, loss_of = captured.example_args, captured.example_kwargs, loss_fn or default_loss
 
@@ -191,10 +194,14 @@ def _calibrate_checkpoint_overheads(captured: CapturedGraph, problem: Problem, s
     hooks_total = max(0.0, seconds["checkpoint"] - seconds["eager"] - sum(forward))
     saved_counts = [sum(1 for t in problem.tensors if k in t.savers) for k in range(n)]
     hooks = spread(hooks_total, saved_counts)
-    cached_recompute = sum(s.recompute_options[o].recompute_seconds for s, o in zip(problem.stages, selective))
-    selective_total = max(0.0, seconds["selective"] - seconds["eager"] - cached_recompute - hooks_total)
-    ops = [len(nodes) if o else 0 for nodes, o in zip(stage_nodes, selective)]
-    return add_checkpoint_overheads(problem, hooks, spread(selective_total, ops))
+    selective = [[0.0] * len(s.recompute_options) for s in problem.stages]
+    for option in range(1, levels):
+        members = [r.start for r in schedules[option].regions]
+        predicted = sum(problem.stages[k].recompute_options[option].recompute_seconds + hooks[k] for k in members)
+        residual = seconds[option] - seconds["eager"] - predicted
+        for k, extra in zip(members, spread(residual, [len(stage_nodes[k]) for k in members])):
+            selective[k][option] = extra
+    return add_checkpoint_overheads(problem, hooks, selective)
 
 
 def _in_context(model: torch.nn.Module, budget: Budget, error: InfeasibleBudgetError,

@@ -275,15 +275,19 @@ def spread(total: float, weights: Sequence[float]) -> list[float]:
 
 
 def add_checkpoint_overheads(problem: Problem, checkpoint_seconds: Sequence[float],
-                             selective_seconds: Sequence[float]) -> Problem:
+                             selective_seconds: Sequence[float | Sequence[float]]) -> Problem:
     """Charge each way of recomputing a stage what the checkpoint machinery costs beyond the recomputation itself:
     ``checkpoint_seconds[k]`` for running stage ``k`` in a region (saved-tensor hooks, the recomputation's
-    bookkeeping) and ``selective_seconds[k]`` more when the option caches nodes (a dispatch mode sees every op).
+    bookkeeping) and ``selective_seconds[k]`` more when the option caches nodes (a dispatch mode sees every op):
+    one number for all of the stage's caching options, or one per option (index 0, caching nothing, is ignored).
+    A correction may be negative (the sum of the nodes' own times over-counted); no option costs below zero.
     """
     stages = []
     for stage, hooks, selective in zip(problem.stages, checkpoint_seconds, selective_seconds):
-        options = tuple(dataclasses.replace(o, recompute_seconds=o.recompute_seconds + hooks
-                                            + (selective if o.cached_nodes else 0.0))
-                        for o in stage.recompute_options)
+        per_option = ([selective] * len(stage.recompute_options) if isinstance(selective, (int, float))
+                      else list(selective))
+        options = tuple(dataclasses.replace(o, recompute_seconds=max(0.0, o.recompute_seconds + hooks
+                                                                     + (extra if o.cached_nodes else 0.0)))
+                        for o, extra in zip(stage.recompute_options, per_option))
         stages.append(dataclasses.replace(stage, options=options))
     return dataclasses.replace(problem, stages=tuple(stages))

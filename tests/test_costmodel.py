@@ -104,3 +104,21 @@ def test_checkpoint_overheads_are_charged_to_every_way_of_recomputing(tower):
             assert p.recompute_seconds == pytest.approx(o.recompute_seconds + 1.0 + (0.5 if o.cached_nodes else 0))
     eager = simulate(charged, Schedule.store_all(charged.num_stages))
     assert eager.recompute_seconds == 0  # stored stages pay nothing
+
+
+def test_per_option_corrections_reach_their_option_and_never_go_below_zero(tower):
+    from planner.costmodel import add_checkpoint_overheads
+    _, _, _, profile = tower
+    problem = build_problem(profile, partition_stages(profile), random_nodes=set())
+    per_option = [[9.0] + [0.25 * o for o in range(1, len(s.recompute_options))] for s in problem.stages]
+    assert len(problem.stages[0].recompute_options) > 1
+    per_option[0][-1] = -1e9  # an over-counted option: charged down, to zero at most
+    charged = add_checkpoint_overheads(problem, [0.0] * problem.num_stages, per_option)
+    for k, (before, after) in enumerate(zip(problem.stages, charged.stages)):
+        for o, (old, new) in enumerate(zip(before.recompute_options, after.recompute_options)):
+            if o == 0:  # caches nothing: no selective correction
+                assert new.recompute_seconds == pytest.approx(old.recompute_seconds)
+            elif (k, o) == (0, len(before.recompute_options) - 1):
+                assert new.recompute_seconds == 0.0
+            else:
+                assert new.recompute_seconds == pytest.approx(old.recompute_seconds + 0.25 * o)
