@@ -74,6 +74,18 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer | None) -> int:
     return copies * sum(p.numel() * 4 for p in params.values())
 
 
+def ddp_bucket_bytes(module: torch.nn.Module) -> int:
+    """Bytes of ``DistributedDataParallel``'s gradient buckets for ``module``: one flat copy of every gradient,
+    resident from the first step on (with ``gradient_as_bucket_view=True`` the buckets are the gradients
+    themselves, allocated before the step: never more than this either way).
+
+    >>> ddp_bucket_bytes(torch.nn.Linear(3, 2))  # 6 weights and 2 biases, float32
+    32
+    """
+    trained = {id(p): p for p in module.parameters() if p.requires_grad}
+    return sum(p.numel() * p.element_size() for p in trained.values())
+
+
 def fingerprint(captured: CapturedGraph, *, as_device: str | None = None) -> str:
     """A short hash of the graph's nodes, the parameters' shapes and the input signature.
 
@@ -115,11 +127,11 @@ class Posed:
     measured: StageMeasurement
 
 
-def pose_problem(captured: CapturedGraph, *, loss_fn: Callable | None = None, optimizer=None,
+def pose_problem(captured: CapturedGraph, *, loss_fn: Callable | None = None, optimizer=None, ddp: bool = False,
                  max_stages: int = 64, profile_repeats: int = 3, hold_outputs: bool = True,
                  device: str | DeviceSpec | None = None) -> tuple[Problem, tuple[tuple[str, ...], ...]]:
     """Profile ``captured`` and pose the planning problem; also returns the node names of each stage."""
-    posed = pose(captured, loss_fn=loss_fn, optimizer=optimizer, max_stages=max_stages,
+    posed = pose(captured, loss_fn=loss_fn, optimizer=optimizer, ddp=ddp, max_stages=max_stages,
                  profile_repeats=profile_repeats, hold_outputs=hold_outputs, device=device)
     return posed.problem, posed.stage_nodes
 
@@ -129,10 +141,12 @@ def captured_device_type(captured: CapturedGraph) -> str:
     return device_type_of(captured.graph_module, (captured.example_args, captured.example_kwargs))
 
 
-def pose(captured: CapturedGraph, *, loss_fn: Callable | None = None, optimizer=None, max_stages: int = 64,
-         profile_repeats: int = 3, hold_outputs: bool = True, device: str | DeviceSpec | None = None) -> Posed:
+def pose(captured: CapturedGraph, *, loss_fn: Callable | None = None, optimizer=None, ddp: bool = False,
+         max_stages: int = 64, profile_repeats: int = 3, hold_outputs: bool = True,
+         device: str | DeviceSpec | None = None) -> Posed:
     """Profile ``captured`` and pose the planning problem, timed for ``device`` (a name or a
-    :class:`~planner.devices.DeviceSpec`: analytic times) or, without it, measured where the tensors are."""
+    :class:`~planner.devices.DeviceSpec`: analytic times) or, without it, measured where the tensors are.
+    The optimizer's state and, with ``ddp``, DDP's gradient buckets count as fixed memory."""
     spec = device_spec(device) if device is not None else None
     device_type = captured_device_type(captured)
     stopwatch = stopwatch_for(device_type, spec)
@@ -142,7 +156,8 @@ def pose(captured: CapturedGraph, *, loss_fn: Callable | None = None, optimizer=
     # never cached: random ops (the recomputation must draw the same numbers) and outputs later written in place
     random_nodes = {n.name for n in captured.compute_nodes() if is_random(n)} | mutated_nodes(captured.graph_module)
     problem = build_problem(profile, stages, random_nodes=random_nodes,
-                            extra_fixed_bytes=optimizer_state_bytes(optimizer),
+                            extra_fixed_bytes=optimizer_state_bytes(optimizer)
+                            + (ddp_bucket_bytes(captured.graph_module) if ddp else 0),
                             name=type(captured.graph_module).__name__, hold_outputs=hold_outputs)
     stage_of = {node: i for i, spec in enumerate(stages) for node in spec.nodes}
     try:
@@ -263,6 +278,7 @@ def _check_fits(budget: Budget, budget_bytes: int, device: DeviceSpec | None) ->
 
 
 def _plan_captured(model, captured: CapturedGraph, budget, *, loss_fn, optimizer, solver: str, max_stages: int,
+                   ddp: bool = False,
                    profile_repeats: int, solver_options: dict | None, hold_outputs: bool = True,
                    device: str | DeviceSpec | None = None, allocator_margin: float | None = None,
                    posed: Posed | None = None) -> Planned:
@@ -270,7 +286,7 @@ def _plan_captured(model, captured: CapturedGraph, budget, *, loss_fn, optimizer
     device_type = captured_device_type(captured)
     parsed = device_budget(budget, spec, device_type)
     margin = allocator_margin_for(allocator_margin, spec, device_type)
-    posed = posed or pose(captured, loss_fn=loss_fn, optimizer=optimizer, max_stages=max_stages,
+    posed = posed or pose(captured, loss_fn=loss_fn, optimizer=optimizer, ddp=ddp, max_stages=max_stages,
                           profile_repeats=profile_repeats, hold_outputs=hold_outputs, device=spec)
     problem = posed.problem
     eager = simulate(problem, Schedule.store_all(problem.num_stages)).peak_bytes
@@ -282,7 +298,8 @@ def _plan_captured(model, captured: CapturedGraph, budget, *, loss_fn, optimizer
         raise _in_context(model, parsed, exc, margin) from None
     measured = posed.measured
     extra = tuple((k, v) for k, v in (("measured_device_peak_bytes", measured.device_peak_bytes),
-                                      ("measured_device_reserved_bytes", measured.device_reserved_bytes))
+                                      ("measured_device_reserved_bytes", measured.device_reserved_bytes),
+                                      ("ddp_bucket_bytes", ddp_bucket_bytes(captured.graph_module) if ddp else None))
                   if v is not None)
     result = dataclasses.replace(result, budget_bytes=budget_bytes, budget_text=parsed.text,
                                  stage_nodes=posed.stage_nodes, fingerprint=fingerprint(captured),
@@ -301,7 +318,7 @@ def plan(model: torch.nn.Module, budget: int | str | None, example_inputs: Any =
          example_kwargs: dict | None = None, optimizer: torch.optim.Optimizer | None = None, solver: str = "auto",
          loss_fn: Callable | None = None, max_stages: int = 64, profile_repeats: int = 3,
          solver_options: dict | None = None, hold_outputs: bool = True, device: str | DeviceSpec | None = None,
-         allocator_margin: float | None = None) -> Plan:
+         allocator_margin: float | None = None, ddp: bool = False) -> Plan:
     """Plan ``model`` under ``budget`` without rewriting it; see :func:`optimize` for the arguments.
 
     A model built under ``with torch.device("meta"):`` (inputs made with ``device="meta"``) is planned without
@@ -316,7 +333,7 @@ def plan(model: torch.nn.Module, budget: int | str | None, example_inputs: Any =
     return _plan_captured(model, captured, budget, loss_fn=loss_fn, optimizer=optimizer, solver=solver,
                           max_stages=max_stages, profile_repeats=profile_repeats,
                           solver_options=solver_options, hold_outputs=hold_outputs, device=device,
-                          allocator_margin=allocator_margin).plan
+                          allocator_margin=allocator_margin, ddp=ddp).plan
 
 
 def _swapped_tensors(model: torch.nn.Module, planned: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -394,7 +411,8 @@ class OptimizedModule(torch.nn.Module):
         options = self._options
         try:
             recorded = record_calls(self.model, args, kwargs, loss_fn=options["loss_fn"],
-                                    extra_fixed_bytes=optimizer_state_bytes(options["optimizer"]))
+                                    extra_fixed_bytes=optimizer_state_bytes(options["optimizer"])
+                                    + (ddp_bucket_bytes(self.model) if options.get("ddp") else 0))
         except Exception:
             raise error from None  # the inputs do not fit the model at all
         found = capturable_parts(self.model, recorded.calls)
@@ -404,8 +422,8 @@ class OptimizedModule(torch.nn.Module):
         budget_bytes = whole.resolve(recorded.eager_peak_bytes)
         shed = max(0, recorded.eager_peak_bytes - budget_bytes)
         part_options = {**options, "loss_fn": None, "hold_outputs": True}  # the rest of the model holds outputs
-        pose_options = {k: part_options[k] for k in ("loss_fn", "optimizer", "max_stages", "profile_repeats",
-                                                     "hold_outputs")}
+        pose_options = {k: part_options[k] for k in ("loss_fn", "optimizer", "ddp", "max_stages",
+                                                     "profile_repeats", "hold_outputs") if k in part_options}
         posed = {path: pose(captured, **pose_options) for path, captured in found.items()}
         can_shed = {path: simulate(p.problem, Schedule.store_all(p.problem.num_stages)).peak_bytes
                     - solvers.minimum_peak(p.problem) for path, p in posed.items()}  # the most each part saves
@@ -461,7 +479,7 @@ def optimize(model: torch.nn.Module, budget: int | str | None, example_inputs: A
              solver: str = "auto", loss_fn: Callable | None = None, max_stages: int = 64,
              profile_repeats: int = 3, solver_options: dict | None = None,
              hold_outputs: bool = True, device: str | DeviceSpec | None = None,
-             allocator_margin: float | None = None) -> OptimizedModule:
+             allocator_margin: float | None = None, ddp: bool = False) -> OptimizedModule:
     """Return a module that trains ``model``'s own parameters within ``budget`` with the least recomputation.
 
     Parameters
@@ -487,10 +505,12 @@ def optimize(model: torch.nn.Module, budget: int | str | None, example_inputs: A
     allocator_margin : the share of the budget left free for the CUDA caching allocator's rounding and
         fragmentation: the plan fits ``budget * (1 - allocator_margin)``. Default 0.05 when planning for a GPU
         (``device`` given or the model on CUDA), 0 on the CPU. Recorded in the plan.
+    ddp : the module will train under ``DistributedDataParallel``: its gradient buckets (one more copy of the
+        gradients) count into the per-rank budget. Recorded in the plan's ``extra``.
     """
     options = dict(loss_fn=loss_fn, optimizer=optimizer, solver=solver, max_stages=max_stages,
                    profile_repeats=profile_repeats, solver_options=solver_options, hold_outputs=hold_outputs,
-                   device=device, allocator_margin=allocator_margin)
+                   device=device, allocator_margin=allocator_margin, ddp=ddp)
     if budget is not None:
         parse_budget(budget)  # fail early on a malformed budget
     optimized = OptimizedModule(model, budget, planner_options=options)
@@ -521,6 +541,7 @@ def apply(model: torch.nn.Module, plan: Plan, example_inputs: Any = None, *,
                            hint="re-plan with planner.plan(model, budget, example_inputs)")
     optimized = OptimizedModule(model, _replannable_budget(plan),
                                 planner_options=dict(loss_fn=None, optimizer=None, solver=plan.solver,
-                                                     max_stages=64, profile_repeats=3, solver_options=None))
+                                                     max_stages=64, profile_repeats=3, solver_options=None,
+                                                     ddp=dict(plan.extra).get("ddp_bucket_bytes") is not None))
     optimized.add_plan(Planned(captured, None, plan))
     return optimized

@@ -96,6 +96,15 @@ def test_optimizer_state_counts_into_the_budget(model):
     assert adam.eager_peak_bytes - plain.eager_peak_bytes == pytest.approx(2 * params, rel=0.05)
 
 
+def test_ddp_buckets_count_into_the_budget_and_survive_the_json(model):
+    plain = planner.plan(model, "100%", (X,), loss_fn=_loss, profile_repeats=1)
+    ddp = planner.plan(model, "100%", (X,), loss_fn=_loss, profile_repeats=1, ddp=True)
+    grads = sum(p.numel() * 4 for p in model.parameters())
+    assert ddp.eager_peak_bytes - plain.eager_peak_bytes == grads
+    assert dict(ddp.extra)["ddp_bucket_bytes"] == grads and "ddp_bucket_bytes" not in dict(plain.extra)
+    assert dict(planner.Plan.from_json(ddp.to_json()).extra)["ddp_bucket_bytes"] == grads
+
+
 def test_impossible_budget_names_the_smallest_feasible_one(model):
     with pytest.raises(InfeasibleBudgetError) as info:
         planner.optimize(model, "1KB", example_inputs=(X,), loss_fn=_loss, profile_repeats=1)
