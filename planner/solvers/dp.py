@@ -782,14 +782,23 @@ def _span(problem: Problem, budget_bytes: int) -> int:
 
 
 def _unit(problem: Problem, budget_bytes: int, buckets: int) -> tuple[int, bool]:
-    """The bytes per step of H (``buckets`` steps over the budget above the fixed memory), and whether every
-    tensor size is a multiple of it (no rounding)."""
+    """The bytes per step of H, and whether every tensor size is a multiple of it (no rounding).
+
+    The sizes' gcd when the budget above the fixed memory spans at most ``buckets`` of it; else the largest power
+    of two that gives at least ``buckets`` steps (fewer than twice as many): tensor sizes are mostly multiples of
+    large powers of two, so sums of them round to whole steps with little or no loss.
+
+    >>> from planner.problem import Problem, Stage, TensorInfo
+    >>> problem = Problem((Stage("a", 1.0, 1.0),), (TensorInfo("x", 3 << 20, 0),), fixed_bytes=1 << 30)
+    >>> _unit(problem, (1 << 30) + (100 << 20), 50), _unit(problem, (1 << 30) + (100 << 20), 10)
+    ((3145728, True), (8388608, False))
+    """
     sizes = [t.nbytes for t in problem.tensors if t.nbytes > 0]
     gcd = reduce(math.gcd, sizes, 0) or 1
     span = _span(problem, budget_bytes)
     if span // gcd <= buckets:
         return gcd, True
-    unit = -(-span // buckets)
+    unit = 1 << max(0, (span // buckets).bit_length() - 1)
     return unit, all(size % unit == 0 for size in sizes)
 
 
