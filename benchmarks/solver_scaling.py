@@ -3,7 +3,8 @@
 Three sections, each printed as a table (issue 3's targets; nothing here is a timed test):
 
 * ``dags``: random layered DAGs of 1k, 5k and 20k ops (``--ops``), given to the planner's own stage cutting
-  (``costmodel.partition_stages``, ``build_problem``) as a profiled graph, then solved under a 60 s limit. Columns:
+  (``costmodel.partition_stages``, ``build_problem``) as a profiled graph, then solved within what is left of a
+  60 s limit on posing and solving together. Columns:
   stages, tensors, seconds to pose the problem, seconds to solve, status and proven gap.
 * ``shapes``: GPT-2 small (12 layers, seq 1024) and a Llama-7B shape (32 layers, d 4096, seq 4096, bf16) captured on
   the meta device and timed for an H100 (``planner.devices``), planned at half of the eager activation memory
@@ -135,7 +136,9 @@ def dags(sizes: list[int], time_limit: float) -> None:
         started = time.perf_counter()
         problem = dag_problem(ops)
         posed = time.perf_counter() - started
-        rows.append(solved_row(f"{ops} ops", problem, half_activation_budget(problem), posed, time_limit).cells())
+        # the limit covers posing and solving: from a profiled graph to a plan
+        rows.append(solved_row(f"{ops} ops", problem, half_activation_budget(problem), posed,
+                               max(1.0, time_limit - posed)).cells())
     print_table(rows)
 
 

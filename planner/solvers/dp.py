@@ -896,9 +896,9 @@ class _Search:
     label: str = "dp"  # what progress lines start with
 
     def check(self, message: str) -> None:
-        self.check_time(message)
         if self.progress is not None:
             self.progress(message)
+        self.check_time(message)
 
     def check_time(self, message: str = "") -> None:
         if self.deadline is not None and time.perf_counter() > self.deadline:
@@ -995,6 +995,8 @@ def relative_gap(seconds: float, bound: float | None) -> float | None:
     return max(0.0, (seconds - bound) / seconds)
 
 
+FINISHING_SIMULATIONS = 6  # what a solve keeps back from its time limit, in simulations of the problem
+
 GAP_TOLERANCE = 1e-9  # gaps below this are rounding in the float sums: reported as optimal
 
 
@@ -1039,6 +1041,8 @@ def solve_dp(problem: Problem, budget_bytes: int, *, buckets: int = 2000, front_
         return plan(store_all(problem), 0.0)
     if budget_bytes <= 0:
         raise infeasible_budget_error(problem, budget_bytes, minimum_peak_schedule(problem))
+    if deadline is not None:  # leave time to check and describe the plan (a few simulations) within the limit
+        deadline = max(started, deadline - FINISHING_SIMULATIONS * (time.perf_counter() - started))
     search = _Search(budget_bytes, buckets, front_limit or _front_limit(problem), deadline, progress)
     try:
         schedule, exact = _within_budget(problem, dataclasses.replace(search, longest_region=SHORT_REGIONS))
