@@ -242,9 +242,8 @@ def test_autocast_plans_and_trains_in_the_callers_precision():
     bf16_plan = opt.plan
     assert bf16_plan.regions and bf16_plan.eager_peak_bytes < fp32.peak_bytes
     planned = training_step(opt, _bf16_step, (X,), owner=model)
-    # known gap: under autocast the stage-marked profiling step measures up to ~5% less than a plain step (the
-    # bf16 weight casts), so the plan is held to its prediction within 10% and to the saving, not the exact budget
-    assert planned.peak_bytes == pytest.approx(bf16_plan.predicted_peak_bytes, rel=0.10)
+    assert planned.peak_bytes <= bf16_plan.budget_bytes
+    assert planned.peak_bytes == pytest.approx(bf16_plan.predicted_peak_bytes, rel=0.05)
     assert planned.peak_bytes <= 0.65 * eager.peak_bytes, (planned.peak_bytes, eager.peak_bytes)
     assert_same_training(eager, planned, atol=0)  # dropout and bf16 recomputed exactly
     opt(X)  # full precision: a plan of its own
