@@ -1054,10 +1054,13 @@ def solve_dp(problem: Problem, budget_bytes: int, *, buckets: int = 2000, front_
         return plan(schedule, None)
     seconds = simulate(problem, schedule).recompute_seconds
     lower = None
+    coarse_seconds = 0.0  # what the coarse bound took: a finer one takes longer, so it is not begun without that
     if bound and not exact and deadline is not None and problem.num_stages >= LONG_PROBLEM:
         # a coarse bound first (fast, still proven), in case the time runs out before the fine one finishes
+        coarse_started = time.perf_counter()
         lower = _relaxed_optimum(problem, budget_bytes, _bound_search(search, COARSE_BUCKETS, 2 / 3, fronts=1),
                                  seconds * (1 + 1e-9))[0]
+        coarse_seconds = time.perf_counter() - coarse_started
     for round_ in range(refinements + 1):
         if exact or (bound and (relative_gap(seconds, lower) or 0.0) <= target_gap and lower is not None):
             break
@@ -1066,7 +1069,7 @@ def solve_dp(problem: Problem, budget_bytes: int, *, buckets: int = 2000, front_
                     _unit(chain_relaxation(problem), budget_bytes, search.buckets)[1]:
                 break  # nothing was rounded: finer steps change nothing
             search = dataclasses.replace(search, buckets=search.buckets * 4)
-        if bound:
+        if bound and (deadline is None or deadline - time.perf_counter() > 2 * coarse_seconds):
             found, relaxed_plan = _relaxed_optimum(problem, budget_bytes, _bound_search(search, search.buckets, 1 / 2),
                                                    seconds * (1 + 1e-9))
             lower = found if lower is None or (found is not None and found > lower) else lower
@@ -1075,15 +1078,32 @@ def solve_dp(problem: Problem, budget_bytes: int, *, buckets: int = 2000, front_
                 schedule, seconds = relaxed_plan, simulate(problem, relaxed_plan).recompute_seconds
             if lower is not None and (relative_gap(seconds, lower) or 0.0) <= target_gap:
                 break
-        try:
-            better, exact = _within_budget(problem, search, seconds)
-        except SolverTimeout:
-            break
-        if simulate(problem, better).recompute_seconds < seconds:
+        better, exact = _deepening(problem, search, seconds)
+        if better is not None and simulate(problem, better).recompute_seconds < seconds:
             schedule, seconds = better, simulate(problem, better).recompute_seconds
-        if not bound:
+        if not bound or (deadline is not None and time.perf_counter() > deadline):
             break
     return plan(schedule, lower, exact)
+
+
+def _deepening(problem: Problem, search: _Search, seconds: float) -> tuple[Schedule | None, bool]:
+    """Searches within ``seconds`` (a known plan's) with regions of at most twice ``SHORT_REGIONS`` stages, then
+    twice as long, until any length: each is cheaper than the next, so a time limit still leaves the best plan
+    found so far. Returns it (None if none is faster) and whether the last, unlimited search was exact."""
+    best = None
+    longest = 2 * SHORT_REGIONS
+    while True:
+        unlimited = longest >= problem.num_stages
+        try:
+            found, exact = _within_budget(problem, dataclasses.replace(
+                search, longest_region=None if unlimited else longest), seconds)
+        except SolverTimeout:
+            return best, False
+        if simulate(problem, found).recompute_seconds < seconds:
+            best, seconds = found, simulate(problem, found).recompute_seconds
+        if unlimited:
+            return best, exact
+        longest *= 2
 
 
 BOUND_FRONTS = 4  # a bound's search merges points past this many times the plan search's front limit
