@@ -26,7 +26,7 @@ returned plan is checked with ``simulate``.
 
 Search: passes keep only partial plans within a ceiling on recompute seconds (growing until a pass's plan is
 within its ceiling, which proves it the program's optimum); a quick search with regions of at most
-``SHORT_REGIONS`` stages runs first. Bound: :func:`lower_bound` solves :func:`chain_relaxation` with byte counts
+``SHORT_REGIONS`` stages runs first, and later searches deepen the longest region step by step. Bound: :func:`lower_bound` solves :func:`chain_relaxation` with byte counts
 rounded down and fronts never cut (past a limit, runs of points merge into their ideal point), so every plan
 carries a proven ``gap`` and ``lower_bound_seconds``; when the relaxation's optimal schedule fits the problem
 itself, it is the plan, proven optimal. The program's state arrays hold no back-pointers: schedules are read
@@ -1009,13 +1009,16 @@ def solve_dp(problem: Problem, budget_bytes: int, *, buckets: int = 2000, front_
     The plan's ``gap`` is proven: the lower bound is the optimum of a relaxation. Status ``OPTIMAL`` when the gap
     is zero, else ``FEASIBLE``. ``front_limit`` caps the Pareto points kept per inner state of the search for a
     plan (default: all of them up to 256, fewer on long problems); the bound's search merges points into ideal
-    ones past ``BOUND_FRONTS`` times that, which keeps it a bound. ``time_limit`` (seconds) stops the search: the best plan found so far is returned (a baseline if none), with the gap when the bound
-    finished; ``progress`` receives a line per stage. ``bound=False`` skips the bound (gap None unless exact).
-    The order: a quick search with regions of at most ``SHORT_REGIONS`` stages gives a first plan; the bound's
-    search follows, within that plan's seconds, and when the relaxation's optimal schedule also fits the problem
-    it is returned, proven optimal. Else the full search runs within the best plan's seconds. While the gap
-    exceeds ``target_gap`` (rounding to ``buckets`` steps of memory is what usually opens it), up to
-    ``refinements`` more rounds run with four times finer steps, keeping the best plan and bound.
+    ones past ``BOUND_FRONTS`` times that, which keeps it a bound. ``time_limit`` (seconds) stops the search: the
+    best plan found so far is returned (a baseline if none), with the gap when a bound finished; ``progress``
+    receives a line per stage. ``bound=False`` skips the bound (gap None unless exact).
+
+    The order: a quick search with regions of at most ``SHORT_REGIONS`` stages gives a first plan (long,
+    time-limited problems then take a coarse bound of ``COARSE_BUCKETS`` steps); the bound's search follows,
+    within that plan's seconds, and when the relaxation's optimal schedule also fits the problem it is returned,
+    proven optimal. Else searches within the best plan's seconds deepen the longest region until any length is
+    allowed. While the gap exceeds ``target_gap`` (rounding to ``buckets`` steps of memory is what usually opens
+    it), up to ``refinements`` more rounds run with four times finer steps, keeping the best plan and bound.
     Raises :class:`~planner.errors.InfeasibleBudgetError` with the smallest achievable peak when no schedule fits.
 
     >>> from planner.problem import Problem, Stage, TensorInfo
