@@ -470,6 +470,18 @@ class OptimizedModule(torch.nn.Module):
             optimized._last = None
         return super()._apply(fn, recurse)
 
+    def __getattr__(self, name: str):
+        """Attributes this wrapper lacks read through to the model (``config``, ``loss_type``, ...), as through
+        ``torch.compile``'s wrapper: code that inspects the model, such as ``transformers.Trainer`` deciding how
+        to count a causal LM's tokens, sees the model it trains."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            modules = self.__dict__.get("_modules", {})
+            if name.startswith("__") or "model" not in modules:
+                raise
+            return getattr(modules["model"], name)
+
     def extra_repr(self) -> str:
         return f"budget={self.budget!r}, plans={len(self._planned)}"
 

@@ -105,6 +105,14 @@ def test_ddp_buckets_count_into_the_budget_and_survive_the_json(model):
     assert dict(planner.Plan.from_json(ddp.to_json()).extra)["ddp_bucket_bytes"] == grads
 
 
+def test_the_wrapper_reads_the_models_own_attributes_through(model):
+    model.note = "mine"
+    opt = planner.optimize(model, "60%", example_inputs=(X,), loss_fn=_loss, profile_repeats=1)
+    assert opt.note == "mine" and opt.layers is model.layers and opt.model is model
+    with pytest.raises(AttributeError, match="nothing_here"):
+        opt.nothing_here
+
+
 def test_impossible_budget_names_the_smallest_feasible_one(model):
     with pytest.raises(InfeasibleBudgetError) as info:
         planner.optimize(model, "1KB", example_inputs=(X,), loss_fn=_loss, profile_repeats=1)

@@ -52,8 +52,13 @@ def test_plain_loop_matches_the_model_step_for_step_within_budget(planned):
 
 def test_trainer_drives_the_planned_module_without_planning_again(planned, tmp_path):
     model, opt, ids = planned
+    reference = gpt2.build("test").model
+    reference.load_state_dict(model.state_dict())
     before = model.transformer.h[0].mlp.c_fc.weight.detach().clone()
-    trained = train_with_trainer(opt, ids, steps=2, output_dir=str(tmp_path))
+    # Trainer reads the model's loss_type through the wrapper, so it counts a causal LM's tokens the same way
+    assert opt.loss_type == reference.loss_type and opt.config is model.config
+    trained = train_with_trainer(opt, ids, steps=2, output_dir=str(tmp_path / "planned"))
     assert len(opt._planned) == 1, "Trainer's inputs should match the planned signature"
     assert len(trained.losses) == 2 and all(math.isfinite(x) for x in trained.losses)
     assert not torch.equal(before, model.transformer.h[0].mlp.c_fc.weight)  # it trained the model's parameters
+    assert trained.losses == train_with_trainer(reference, ids, steps=2, output_dir=str(tmp_path / "eager")).losses
