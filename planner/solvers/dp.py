@@ -913,6 +913,7 @@ def _first_ceiling(problem: Problem) -> float:
 
 
 COARSE_BUCKETS = 500  # memory steps of the first, quicker bound of long, time-limited problems
+ROUGH_BUCKETS, ROUGH_FRONT = 150, 4  # the rough bound before it: seconds on thousands of ops
 SHORT_REGIONS = 2  # stages per region in the quick first search
 LONG_PROBLEM = 16  # stages from which a time-limited solve takes a coarse bound first
 
@@ -995,7 +996,7 @@ def relative_gap(seconds: float, bound: float | None) -> float | None:
     return max(0.0, (seconds - bound) / seconds)
 
 
-FINISHING_SIMULATIONS = 6  # what a solve keeps back from its time limit, in simulations of the problem
+FINISHING_SIMULATIONS = 12  # what a solve keeps back from its time limit, in simulations of the problem
 
 GAP_TOLERANCE = 1e-9  # gaps below this are rounding in the float sums: reported as optimal
 
@@ -1059,10 +1060,14 @@ def solve_dp(problem: Problem, budget_bytes: int, *, buckets: int = 2000, front_
     lower = None
     coarse_seconds = 0.0  # what the coarse bound took: a finer one takes longer, so it is not begun without that
     if bound and not exact and deadline is not None and problem.num_stages >= LONG_PROBLEM:
-        # a coarse bound first (fast, still proven), in case the time runs out before the fine one finishes
-        coarse_started = time.perf_counter()
-        lower = _relaxed_optimum(problem, budget_bytes, _bound_search(search, COARSE_BUCKETS, 2 / 3, fronts=1),
+        # coarse bounds first (fast, still proven), in case the time runs out before the fine one finishes: a
+        # rough one that takes seconds even on a busy machine, then a better one
+        lower = _relaxed_optimum(problem, budget_bytes, _bound_search(search, ROUGH_BUCKETS, 1 / 4, limit=ROUGH_FRONT),
                                  seconds * (1 + 1e-9))[0]
+        coarse_started = time.perf_counter()
+        coarse = _relaxed_optimum(problem, budget_bytes, _bound_search(search, COARSE_BUCKETS, 2 / 3, fronts=1),
+                                  seconds * (1 + 1e-9))[0]
+        lower = coarse if lower is None or (coarse is not None and coarse > lower) else lower
         coarse_seconds = time.perf_counter() - coarse_started
     for round_ in range(refinements + 1):
         if exact or (bound and (relative_gap(seconds, lower) or 0.0) <= target_gap and lower is not None):
@@ -1112,13 +1117,14 @@ def _deepening(problem: Problem, search: _Search, seconds: float) -> tuple[Sched
 BOUND_FRONTS = 4  # a bound's search merges points past this many times the plan search's front limit
 
 
-def _bound_search(search: _Search, buckets: int, share: float, fronts: int = BOUND_FRONTS) -> _Search:
-    """The search of a bound: ``buckets`` steps, fronts merged (never cut) past ``fronts`` times the search's
-    limit, at most ``share`` of the time left."""
+def _bound_search(search: _Search, buckets: int, share: float, fronts: int = BOUND_FRONTS,
+                  limit: int | None = None) -> _Search:
+    """The search of a bound: ``buckets`` steps, fronts merged (never cut) past ``limit`` points (default
+    ``fronts`` times the search's limit), at most ``share`` of the time left."""
     deadline = search.deadline
     if deadline is not None:
         deadline = time.perf_counter() + (deadline - time.perf_counter()) * share
-    return _Search(search.budget, buckets, search.limit * fronts, deadline, search.progress, label="bound")
+    return _Search(search.budget, buckets, limit or search.limit * fronts, deadline, search.progress, label="bound")
 
 
 PINNED_LIMIT = 16  # far-reaching tensors the program tracks one by one; beyond, it plans on chain_restriction
