@@ -4,7 +4,8 @@
 * ``"dp"``: dynamic program (:mod:`.dp`), exact on chains, conservative elsewhere;
 * ``"store_all"``, ``"uniform"``, ``"chen_sqrt"``, ``"fewest_blocks"``: baselines (:mod:`.baselines`);
 * ``"auto"``: the DP, whose plan carries a proven gap (against the optimum of a relaxation); when that gap is
-  open and the problem has at most ``ILP_STAGES`` stages, the ILP starts from the DP's plan to close it.
+  open and the problem is small enough (``ILP_STAGES`` stages, ``ILP_SIZE`` stages x tensors), the ILP starts
+  from the DP's plan to close it, with half of the time limit.
 
 Every plan reports ``gap`` and ``lower_bound_seconds``: no plan within the budget recomputes less than the bound.
 
@@ -59,9 +60,10 @@ def solve(problem: Problem, budget_bytes: int, method: str = "auto", **options) 
     raise PlannerError(f"unknown solver method {method!r}", hint=f"choose one of {', '.join(METHODS)}")
 
 
-ILP_STAGES = 40  # the exact ILP closes the DP's gap on problems up to this many stages (see benchmarks)
+ILP_STAGES = 64  # the exact ILP closes the DP's gap on problems up to this many stages (see benchmarks)
 
 
+ILP_SIZE = 40_000  # and up to this many stages x tensors: beyond, building it takes too long to share the time
 AUTO_TIME_LIMIT = 60.0  # seconds auto spends at most by default: then the best plan, with its proven gap
 
 
@@ -70,11 +72,13 @@ def _solve_auto(problem: Problem, budget_bytes: int, *, time_limit: float | None
                 target_gap: float = 0.01, **dp_options) -> Plan:
     """The DP with its proven gap; when the gap is above ``target_gap`` (non-chains, coarse rounding) and the
     problem is small enough, the ILP starts from the DP's plan, and the plan keeps the better schedule and the
-    better bound."""
+    better bound; the DP then gets half of ``time_limit``, so that the ILP has the rest."""
     started = time.perf_counter()
-    plan = solve_dp(problem, budget_bytes, time_limit=time_limit, progress=progress, target_gap=target_gap,
+    ilp_may_follow = problem.num_stages <= ilp_stages and problem.num_stages * len(problem.tensors) <= ILP_SIZE
+    dp_limit = time_limit / 2 if time_limit is not None and ilp_may_follow else time_limit  # leave the ILP time
+    plan = solve_dp(problem, budget_bytes, time_limit=dp_limit, progress=progress, target_gap=target_gap,
                     **dp_options)
-    if plan.gap is not None and plan.gap <= target_gap or problem.num_stages > ilp_stages:
+    if plan.gap is not None and plan.gap <= target_gap or not ilp_may_follow:
         return plan
     remaining = 60.0 if time_limit is None else time_limit - (time.perf_counter() - started)
     if remaining < 1.0:
