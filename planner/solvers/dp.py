@@ -26,11 +26,11 @@ returned plan is checked with ``simulate``.
 
 Search: passes keep only partial plans within a ceiling on recompute seconds (growing until a pass's plan is
 within its ceiling, which proves it the program's optimum); a quick search with regions of at most
-``SHORT_REGIONS`` stages runs first, and later searches deepen the longest region step by step. Bound: :func:`lower_bound` solves :func:`chain_relaxation` with byte counts
-rounded down and fronts never cut (past a limit, runs of points merge into their ideal point), so every plan
-carries a proven ``gap`` and ``lower_bound_seconds``; when the relaxation's optimal schedule fits the problem
-itself, it is the plan, proven optimal. The program's state arrays hold no back-pointers: schedules are read
-back by matching values.
+``SHORT_REGIONS`` stages runs first, and later searches deepen the longest region step by step. Bound:
+:func:`lower_bound` solves :func:`chain_relaxation` with byte counts rounded down and fronts never cut (past a
+limit, runs of points merge into their ideal point), so every plan carries a proven ``gap`` and
+``lower_bound_seconds``; when the relaxation's optimal schedule fits the problem itself, it is the plan, proven
+optimal. The program's state arrays hold no back-pointers: schedules are read back by matching values.
 
 >>> from planner.problem import Problem, Stage, TensorInfo
 >>> stages = tuple(Stage(f"s{i}", 1.0, 2.0) for i in range(4))
