@@ -58,7 +58,7 @@ import numpy as np
 
 from ..errors import PlannerError
 from ..plan import Plan, SolverStatus
-from ..problem import Problem, Region, Schedule, TensorInfo, simulate
+from ..problem import Problem, Region, Schedule, TensorInfo, recompute_seconds, simulate
 from .baselines import chen_sqrt, infeasible_budget_error, store_all, uniform
 from .ilp import unheld_forward_until
 
@@ -752,8 +752,9 @@ def _least_peak(tables: _Tables, limit: int) -> tuple[Schedule, bool]:
             if e is None:
                 exact &= closed
                 continue
+            table = _cost_table(closed)
             for source in region_sources:
-                needs, adds = _region_needs(tables, i, source[1], _cost_table(closed))
+                needs, adds = _region_needs(tables, i, source[1], table)
                 for c, need, added in zip(closed, needs.tolist(), adds.tolist()):
                     for entry in fronts[source]:
                         push(source, entry, need, added, Region(i, e + 1, c.options), (e + 1, c.options[-1], kind))
@@ -939,7 +940,7 @@ def _passes(problem: Problem, search: _Search, first_ceiling: float) -> tuple[Sc
             return best, False
         if schedule is None and ceiling == math.inf:
             return None, False
-        seconds = math.inf if schedule is None else simulate(problem, schedule).recompute_seconds
+        seconds = math.inf if schedule is None else recompute_seconds(problem, schedule)
         if seconds <= ceiling:
             return schedule, complete and exact_unit and problem.is_chain()
         best = schedule
@@ -980,7 +981,7 @@ def _relaxed_optimum(problem: Problem, budget_bytes: int, search: _Search,
         return ceiling, None
     # with merged points the schedule's memory may be optimistic, but its seconds are the program's optimum
     # (a merged point keeps its fastest member's options and seconds); the caller checks that it fits
-    return simulate(relaxed, schedule).recompute_seconds, schedule
+    return recompute_seconds(relaxed, schedule), schedule
 
 
 def relative_gap(seconds: float, bound: float | None) -> float | None:
@@ -1034,7 +1035,7 @@ def solve_dp(problem: Problem, budget_bytes: int, *, buckets: int = 2000, front_
     deadline = None if time_limit is None else started + time_limit
 
     def plan(schedule: Schedule, lower: float | None, exact: bool = False) -> Plan:
-        seconds = simulate(problem, schedule).recompute_seconds
+        seconds = recompute_seconds(problem, schedule)
         gap = 0.0 if exact else relative_gap(seconds, lower)
         status = SolverStatus.OPTIMAL if gap is not None and gap <= GAP_TOLERANCE else SolverStatus.FEASIBLE
         return Plan.from_schedule(problem, schedule, solver="dp", status=status, gap=gap,
@@ -1056,7 +1057,7 @@ def solve_dp(problem: Problem, budget_bytes: int, *, buckets: int = 2000, front_
             raise PlannerError(f"the dynamic program found no plan within its time limit of {time_limit:g}s",
                                hint="raise time_limit, or use solver='ilp'") from None
         return plan(schedule, None)
-    seconds = simulate(problem, schedule).recompute_seconds
+    seconds = recompute_seconds(problem, schedule)
     lower = None
     coarse_seconds = 0.0  # what the coarse bound took: a finer one takes longer, so it is not begun without that
     if bound and not exact and deadline is not None and problem.num_stages >= LONG_PROBLEM:
@@ -1067,7 +1068,7 @@ def solve_dp(problem: Problem, budget_bytes: int, *, buckets: int = 2000, front_
         coarse_started = time.perf_counter()
         coarse = _relaxed_optimum(problem, budget_bytes, _bound_search(search, COARSE_BUCKETS, 2 / 3, fronts=1),
                                   seconds * (1 + 1e-9))[0]
-        lower = coarse if lower is None or (coarse is not None and coarse > lower) else lower
+        lower = _higher_bound(lower, coarse)
         coarse_seconds = time.perf_counter() - coarse_started
     for round_ in range(refinements + 1):
         if exact or (bound and (relative_gap(seconds, lower) or 0.0) <= target_gap and lower is not None):
@@ -1080,18 +1081,29 @@ def solve_dp(problem: Problem, budget_bytes: int, *, buckets: int = 2000, front_
         if bound and (deadline is None or deadline - time.perf_counter() > 2 * coarse_seconds):
             found, relaxed_plan = _relaxed_optimum(problem, budget_bytes, _bound_search(search, search.buckets, 1 / 2),
                                                    seconds * (1 + 1e-9))
-            lower = found if lower is None or (found is not None and found > lower) else lower
-            if relaxed_plan is not None and simulate(problem, relaxed_plan).peak_bytes <= budget_bytes \
-                    and simulate(problem, relaxed_plan).recompute_seconds <= seconds:
-                schedule, seconds = relaxed_plan, simulate(problem, relaxed_plan).recompute_seconds
+            lower = _higher_bound(lower, found)
+            if relaxed_plan is not None and recompute_seconds(problem, relaxed_plan) <= seconds \
+                    and simulate(problem, relaxed_plan).peak_bytes <= budget_bytes:
+                schedule, seconds = relaxed_plan, recompute_seconds(problem, relaxed_plan)
             if lower is not None and (relative_gap(seconds, lower) or 0.0) <= target_gap:
                 break
         better, exact = _deepening(problem, search, seconds)
-        if better is not None and simulate(problem, better).recompute_seconds < seconds:
-            schedule, seconds = better, simulate(problem, better).recompute_seconds
+        if better is not None and recompute_seconds(problem, better) < seconds:
+            schedule, seconds = better, recompute_seconds(problem, better)
         if not bound or (deadline is not None and time.perf_counter() > deadline):
             break
     return plan(schedule, lower, exact)
+
+
+def _higher_bound(bound: float | None, other: float | None) -> float | None:
+    """The better of two lower bounds, either of which may be missing (None).
+
+    >>> _higher_bound(None, 2.0), _higher_bound(3.0, None), _higher_bound(3.0, 2.0)
+    (2.0, 3.0, 3.0)
+    """
+    if bound is None or (other is not None and other > bound):
+        return other
+    return bound
 
 
 def _deepening(problem: Problem, search: _Search, seconds: float) -> tuple[Schedule | None, bool]:
@@ -1107,8 +1119,8 @@ def _deepening(problem: Problem, search: _Search, seconds: float) -> tuple[Sched
                 search, longest_region=None if unlimited else longest), seconds)
         except SolverTimeout:
             return best, False
-        if simulate(problem, found).recompute_seconds < seconds:
-            best, seconds = found, simulate(problem, found).recompute_seconds
+        if recompute_seconds(problem, found) < seconds:
+            best, seconds = found, recompute_seconds(problem, found)
         if unlimited:
             return best, exact
         longest *= 2
@@ -1195,4 +1207,4 @@ def _best_baseline(problem: Problem, budget_bytes: int) -> Schedule | None:
     """The fastest baseline schedule within the budget, if any (what a timed-out search falls back to)."""
     candidates = (uniform(problem), chen_sqrt(problem))
     fitting = [s for s in candidates if s is not None and simulate(problem, s).peak_bytes <= budget_bytes]
-    return min(fitting, key=lambda s: simulate(problem, s).recompute_seconds, default=None)
+    return min(fitting, key=lambda s: recompute_seconds(problem, s), default=None)

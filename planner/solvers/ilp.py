@@ -69,7 +69,7 @@ import pulp
 
 from ..errors import PlannerError
 from ..plan import Plan, SolverStatus
-from ..problem import Phase, Problem, Region, Schedule, TensorInfo, liveness, simulate
+from ..problem import Phase, Problem, Region, Schedule, TensorInfo, liveness, recompute_seconds, simulate
 from .baselines import chen_sqrt, fewest_blocks, infeasible_budget_error, store_all, uniform
 
 Expr = pulp.LpAffineExpression
@@ -538,7 +538,7 @@ def solve_ilp(problem: Problem, budget_bytes: int, *, time_limit: float = 60.0, 
         if peak <= budget_bytes:
             status = SolverStatus.OPTIMAL if outcome.proven else SolverStatus.FEASIBLE
             relative = 0.0 if outcome.proven else outcome.gap
-            seconds = simulate(problem, outcome.schedule).recompute_seconds
+            seconds = recompute_seconds(problem, outcome.schedule)
             return Plan.from_schedule(problem, outcome.schedule, solver="ilp", status=status, gap=relative,
                                       lower_bound_seconds=None if relative is None else seconds * (1 - relative),
                                       solve_seconds=time.perf_counter() - started, budget_bytes=budget_bytes)
