@@ -412,7 +412,7 @@ class OptimizedModule(torch.nn.Module):
         try:
             recorded = record_calls(self.model, args, kwargs, loss_fn=options["loss_fn"],
                                     extra_fixed_bytes=optimizer_state_bytes(options["optimizer"])
-                                    + (ddp_bucket_bytes(self.model) if options.get("ddp") else 0))
+                                    + (ddp_bucket_bytes(self.model) if options["ddp"] else 0))
         except Exception:
             raise error from None  # the inputs do not fit the model at all
         found = capturable_parts(self.model, recorded.calls)
@@ -423,7 +423,7 @@ class OptimizedModule(torch.nn.Module):
         shed = max(0, recorded.eager_peak_bytes - budget_bytes)
         part_options = {**options, "loss_fn": None, "hold_outputs": True}  # the rest of the model holds outputs
         pose_options = {k: part_options[k] for k in ("loss_fn", "optimizer", "ddp", "max_stages",
-                                                     "profile_repeats", "hold_outputs") if k in part_options}
+                                                     "profile_repeats", "hold_outputs")}
         posed = {path: pose(captured, **pose_options) for path, captured in found.items()}
         can_shed = {path: simulate(p.problem, Schedule.store_all(p.problem.num_stages)).peak_bytes
                     - solvers.minimum_peak(p.problem) for path, p in posed.items()}  # the most each part saves
