@@ -77,9 +77,9 @@ def _runs(nodes: Sequence[NodeProfile], depth: int) -> list[list[NodeProfile]]:
     return runs
 
 
-def _weight(run: Sequence[NodeProfile]) -> float:
+def _weight(run: Sequence[NodeProfile]) -> int:
     """Work of a run, from what does not vary between runs: FLOPs plus bytes written (memory-bound ops)."""
-    return float(sum(n.flops + n.created_bytes for n in run))
+    return sum(n.flops + n.created_bytes for n in run)
 
 
 def partition_stages(profile: GraphProfile, *, max_stages: int = 64, min_share: float = 0.25) -> list[StageSpec]:
@@ -122,7 +122,7 @@ def partition_stages(profile: GraphProfile, *, max_stages: int = 64, min_share: 
 def _merge_lightest_pairs(runs: list[list[NodeProfile]], max_stages: int) -> list[list[NodeProfile]]:
     """Merge the adjacent pair of runs with the least total weight (the leftmost on ties) until at most
     ``max_stages`` remain; a heap over pairs keeps it ``n log n`` on graphs of many thousand runs."""
-    weights = [sum(n.flops + n.created_bytes for n in run) for run in runs]  # exact: sums of integers
+    weights = [_weight(run) for run in runs]  # integers: merged weights add up exactly
     following = list(range(1, len(runs) + 1))
     preceding = list(range(-1, len(runs) - 1))
     version = [0] * len(runs)  # bumped when a run grows or goes, so stale pairs are skipped
