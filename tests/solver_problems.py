@@ -125,16 +125,19 @@ def brute_force_best(table: list[tuple[int, float, Schedule]], budget: int) -> f
     return min(fitting) if fitting else None
 
 
-def layered_chain(n: int, seed: int = 0, *, tensors_per_stage: int = 8, unit: int = 1 << 20) -> Problem:
+def layered_chain(n: int, seed: int = 0, *, tensors_per_stage: int = 8, unit: int = 1 << 20,
+                  repeated: bool = False) -> Problem:
     """A chain shaped like a stack of transformer blocks, with the planner's option menus.
 
     Each stage saves its own intermediate tensors and reads (and saves) its predecessor's output; options cache
     growing shares of the stage's nodes, best seconds-per-byte first (a nested menu, as ``costmodel`` builds).
+    ``repeated``: every stage but the first and the last is the same block, as in a real transformer.
     """
-    rng = random.Random(seed)
+    first_rng = random.Random(seed)
     tensors: list[TensorInfo] = []
     stages: list[Stage] = []
     for p in range(n):
+        rng = random.Random(seed + 10_000) if repeated and 0 < p < n - 1 else first_rng
         nodes = [f"n{p}_{j}" for j in range(tensors_per_stage)]
         node_seconds = [rng.uniform(0.01, 0.2) for _ in nodes]
         for j, node in enumerate(nodes[:-1]):

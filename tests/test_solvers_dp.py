@@ -10,8 +10,9 @@ import pytest
 from planner.errors import InfeasibleBudgetError
 from planner.plan import SolverStatus
 from planner.problem import Problem, Schedule, Stage, TensorInfo, simulate
-from planner.solvers.dp import (_relaxed_optimum, _Search, chain_relaxation, lower_bound, minimum_peak, relative_gap,
-                                solve_dp)
+from planner.solvers import dp as dp_module
+from planner.solvers.dp import (_relaxed_optimum, _repeats, _Search, _tables, chain_relaxation, lower_bound,
+                                minimum_peak, relative_gap, solve_dp)
 from planner.solvers.ilp import solve_ilp
 from tests.solver_problems import (brute_force_best, brute_force_table, layered_chain, random_chain, random_dag,
                                    random_schedule)
@@ -198,3 +199,31 @@ def test_a_time_limit_returns_a_feasible_plan_and_progress_is_reported():
     assert plan.predicted_peak_bytes <= budget == plan.budget_bytes
     assert plan.status is SolverStatus.FEASIBLE
     assert lines and lines[0].startswith("dp: stage 1/48")
+
+
+# --- structural sharing ------------------------------------------------------------------------------------------
+
+def test_repeated_blocks_are_found_with_the_gradients_between_them():
+    problem = layered_chain(10, 3, repeated=True)
+    repeats = _repeats(_tables(problem, 1 << 20, optimistic=True))
+    assert sorted(repeats) == list(range(1, 9))  # the first and last blocks differ; the last is never shared
+    grad = problem.stages[1].grad_bytes
+    for start, repeat in repeats.items():
+        assert (repeat.first, repeat.start, repeat.last) == (1, start, 8)
+        assert repeat.backward_shift == -(start - 1) * grad  # later blocks' backwards see fewer gradients
+    assert _repeats(_tables(layered_chain(10, 3), 1 << 20, optimistic=True)) == {}
+
+
+@pytest.mark.parametrize("n,seed", [(12, 3), (16, 1)])
+def test_a_shared_program_bounds_exactly_as_one_program_per_start(n, seed, monkeypatch):
+    problem = layered_chain(n, seed, repeated=True)
+    eager = simulate(problem, Schedule()).peak_bytes
+    lowest = simulate(problem, Schedule.uniform(n)).peak_bytes
+    budgets = [lowest + (eager - lowest) * share // 10 for share in (1, 4, 7)]
+    shared = [lower_bound(problem, budget) for budget in budgets]
+    monkeypatch.setattr(dp_module, "_repeats", lambda tables: {})
+    alone = [lower_bound(problem, budget) for budget in budgets]
+    assert shared == pytest.approx(alone, abs=1e-12)
+    for budget, bound in zip(budgets, shared):
+        optimum = solve_dp(problem, budget, front_limit=4096)
+        assert optimum.status is SolverStatus.OPTIMAL and bound <= optimum.predicted_recompute_seconds + 1e-9
