@@ -101,7 +101,7 @@ class CheckpointRegion(torch.nn.Module):
             # early_stop=False: the recomputation runs to the end of the region, so it consumes every cached
             # value (an early stop would leave cache entries alive through the region's backward).
             return checkpoint(self.body, *args, use_reentrant=False, context_fn=self._contexts,
-                              preserve_rng_state=True, early_stop=False)
+                              preserve_rng_state=True, early_stop=not self.cached_nodes)
         finally:
             planner_cache_off()
 
