@@ -203,6 +203,8 @@ def build_problem(profile: GraphProfile, stages: Sequence[StageSpec], *, random_
     """Tensors, stages and options of ``profile`` cut into ``stages``; workspaces are zero until calibrated.
 
     ``hold_outputs``: the caller keeps the model's outputs alive through the backward (see ``measure_stages``).
+    Nodes whose backward never runs (cut off by a ``no_grad`` block: ``NodeProfile.in_backward``) save nothing
+    for it, send no gradients back and give their parameters none.
     """
     stage_of = {node: i for i, spec in enumerate(stages) for node in spec.nodes}
     by_name = {n.name: n for n in profile.nodes}
@@ -211,7 +213,7 @@ def build_problem(profile: GraphProfile, stages: Sequence[StageSpec], *, random_
     for n in profile.nodes:
         for key in n.reads:
             readers.setdefault(key, set()).add(stage_of[n.name])
-        for key in n.saved:
+        for key in n.saved if n.in_backward else ():
             savers.setdefault(key, set()).add(stage_of[n.name])
     tensors = []
     for n in profile.nodes:
@@ -225,7 +227,7 @@ def build_problem(profile: GraphProfile, stages: Sequence[StageSpec], *, random_
                 savers=frozenset(savers.get(record.key, set())), is_output=hold_outputs and record.key in profile.output_keys))
     grad_stage: dict[str, int] = {}
     for n in profile.nodes:
-        for param in n.param_reads:
+        for param in n.param_reads if n.in_backward else ():
             grad_stage[param] = max(grad_stage.get(param, -1), stage_of[n.name])
     grads = Counter()
     for param, stage in grad_stage.items():
@@ -233,7 +235,7 @@ def build_problem(profile: GraphProfile, stages: Sequence[StageSpec], *, random_
     output_grads = Counter()
     for n in profile.nodes:
         for record in n.created:
-            if record.requires_grad and readers.get(record.key, set()) - {stage_of[n.name]}:
+            if n.in_backward and record.requires_grad and readers.get(record.key, set()) - {stage_of[n.name]}:
                 output_grads[stage_of[n.name]] += record.nbytes
     built = []
     for i, spec in enumerate(stages):

@@ -62,6 +62,7 @@ class NodeProfile:
     saved: frozenset[int]
     param_reads: frozenset[str]
     output_is_view: bool
+    in_backward: bool = True  # some output's grad_fn is reachable from the graph's outputs (see _backward_nodes)
 
     @property
     def created_bytes(self) -> int:
@@ -132,6 +133,7 @@ class ProfilingInterpreter(fx.Interpreter):
         self.kernels = kernels or {}
         self.tracker = _StorageTracker()
         self.profiles: list[NodeProfile] = []
+        self.grad_fns: dict[str, list[Any]] = {}  # per node, the grad_fns of its outputs (held until the end)
 
     def run_node(self, n: fx.Node) -> Any:
         if n.op != "call_function":
@@ -165,6 +167,7 @@ class ProfilingInterpreter(fx.Interpreter):
                               frozenset(saved), params, output_is_view)
         n.meta["planner"] = profile
         self.profiles.append(profile)
+        self.grad_fns[n.name] = [t.grad_fn for t in out_tensors if t.grad_fn is not None]
         return out
 
 
@@ -186,6 +189,26 @@ class _TimingInterpreter(fx.Interpreter):
 
     def seconds(self) -> dict[str, float]:
         return {name: self.stopwatch.seconds(a, b) for name, (a, b) in self.stamps.items()}
+
+
+def _backward_nodes(interp: ProfilingInterpreter, outputs: Any) -> set[str]:
+    """Names of the nodes whose backward can run: an output's grad_fn is reachable from the graph's outputs.
+
+    A ``torch.no_grad`` block inside forward cuts the autograd graph: what ran before it and feeds only the block
+    (the block itself too) never gets a gradient, so what it saves dies with the forward's last reference to it,
+    and the parameters it reads get no gradient. Counting those tensors as held until their stage's backward
+    made the eager step look bigger than it is, which hid the real backward workspace of later stages
+    (``calibrate`` subtracts the held tensors from the measured peak).
+    """
+    seen: set[Any] = set()
+    todo = [t.grad_fn for t in tree_leaves(outputs) if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+    while todo:
+        fn = todo.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        todo.extend(next_fn for next_fn, _ in fn.next_functions)
+    return {name for name, fns in interp.grad_fns.items() if any(fn in seen for fn in fns)}
 
 
 def _param_storages(gm: fx.GraphModule) -> tuple[dict[int, str], dict[str, int]]:
@@ -244,6 +267,8 @@ def profile_graph(captured: CapturedGraph, *, repeats: int = 3, stopwatch: Stopw
         outputs = interp.run(*flat)
         output_keys = frozenset(k for k in (interp.tracker.key_of(t) for t in tree_leaves(outputs)
                                             if isinstance(t, torch.Tensor)) if k is not None)
+        in_backward = _backward_nodes(interp, outputs)
+        interp.grad_fns.clear()
         del outputs
         with stopwatch:
             for counted in stopwatch.runs(repeats):
@@ -256,7 +281,7 @@ def profile_graph(captured: CapturedGraph, *, repeats: int = 3, stopwatch: Stopw
     for p in interp.profiles:
         seconds = stopwatch.combine(timings.get(p.name, [0.0]))
         nodes.append(NodeProfile(p.name, p.module_path, seconds, p.flops, p.created, p.reads, p.saved,
-                                 p.param_reads, p.output_is_view))
+                                 p.param_reads, p.output_is_view, p.name in in_backward))
     for n in gm.graph.nodes:
         if "planner" in n.meta:
             n.meta["planner"] = next(p for p in nodes if p.name == n.name)
