@@ -180,7 +180,7 @@ def test_a_bound_with_merged_fronts_stays_below_the_true_optimum(maker, seed):
 
 
 def test_coarse_rounding_is_refined_until_the_gap_closes():
-    problem = layered_chain(8, 1)
+    problem = layered_chain(8, 1, unit=1_000_003)  # sizes no power of two divides: every step rounds
     eager = simulate(problem, Schedule()).peak_bytes
     budget = (simulate(problem, Schedule.uniform(8)).peak_bytes + eager) // 2
     coarse = solve_dp(problem, budget, buckets=50, refinements=0)
