@@ -622,9 +622,9 @@ class _Shared:
     Only a bound's search shares: a shared front is about the union of its starts' fronts (a point may serve
     only the starts whose backward events lie lower), so where fronts are cut, as in the search for a plan on
     long problems, each start would keep fewer of its own points and plans would get worse (Llama-7B: 0.02171 s
-    instead of 0.02161 s). A bound's search merges instead of cutting, which stays a bound, and runs about 10%
-    faster shared (Llama-7B at 1000 steps: 23-27 s instead of 27-30 s; 10 repeated blocks of GPT-2 small: a
-    front of 1,044 points at 4 stages where start 1 alone keeps 612)."""
+    instead of 0.02161 s). A bound's search merges instead of cutting, which stays a bound, and runs faster
+    shared (Llama-7B at 2000 steps within a plan's 0.02112 s: 23-24 s instead of 32-34 s; 10 repeated blocks of
+    GPT-2 small: a front of 1,044 points at 4 stages where start 1 alone keeps 612)."""
 
     def __init__(self, tables: _Tables, budget: int, limit: int, ceiling: float, search: "_Search | None"):
         self.tables, self.budget, self.limit, self.ceiling, self.search = tables, budget, limit, ceiling, search
@@ -1131,7 +1131,10 @@ SHORT_REGIONS = 2  # stages per region in the quick first search
 LONG_PROBLEM = 16  # stages from which a time-limited solve takes a rough bound, then better plans, first
 EARLY_SEARCH_SHARE = 0.4  # of the time left, what those better plans get before the bound: on Llama-7B a
 # 2.3% faster plan (0.02111 s) cut the bound's search at 2000 steps from about 45 s to 23 s
-FINE_BOUND_SHARE = 0.8  # of the time left, what the bound at the full steps gets
+EARLY_LONGEST = 8  # ... with regions of at most this many stages (longer searches rarely finish in that time)
+FINE_BOUND_SHARE = 0.95  # of the time left, what the bound at the full steps gets (better plans, the rest)
+FINE_BOUND_COST = 15  # that bound takes about this many times the rough one (Llama-7B 10-17x, a 1k-op DAG
+# 21-29x); given less time, it merges fronts sooner (DAG: 24.5 s for 0.0489 s instead of 93 s for 0.0606 s)
 
 
 def _passes(problem: Problem, search: _Search, first_ceiling: float) -> tuple[Schedule | None, bool]:
@@ -1232,11 +1235,13 @@ def solve_dp(problem: Problem, budget_bytes: int, *, buckets: int = 2000, front_
 
     The order: a quick search with regions of at most ``SHORT_REGIONS`` stages gives a first plan (long,
     time-limited problems then take a rough bound of ``ROUGH_BUCKETS`` steps, in case the time runs out, and
-    search for better plans within ``EARLY_SEARCH_SHARE`` of the time left: a faster plan makes the bound's
-    search far smaller); the bound's search follows, within the best plan's seconds, and when the relaxation's
+    search for better plans with regions of up to ``EARLY_LONGEST`` stages within ``EARLY_SEARCH_SHARE`` of the
+    time left: a faster plan makes the bound's search far smaller); the bound's search follows, within the best
+    plan's seconds (merging fronts sooner when the time left looks too short for it), and when the relaxation's
     optimal schedule also fits the problem it is returned, proven optimal. Else searches within the best plan's
-    seconds go on deepening the longest region until any length is allowed. While the gap exceeds ``target_gap`` (rounding to ``buckets`` steps of memory is what usually opens
-    it), up to ``refinements`` more rounds run with four times finer steps, keeping the best plan and bound.
+    seconds go on deepening the longest region until any length is allowed. While the gap exceeds
+    ``target_gap`` (rounding to ``buckets`` steps of memory is what usually opens it), up to ``refinements``
+    more rounds run with four times finer steps, keeping the best plan and bound.
     Raises :class:`~planner.errors.InfeasibleBudgetError` with the smallest achievable peak when no schedule fits.
 
     >>> from planner.problem import Problem, Stage, TensorInfo
@@ -1276,10 +1281,14 @@ def solve_dp(problem: Problem, budget_bytes: int, *, buckets: int = 2000, front_
     seconds = recompute_seconds(problem, schedule)
     lower = None
     longest: int | None = 2 * SHORT_REGIONS  # where the search for better plans goes on (None: done)
+    rough_seconds = 0.0  # what the rough bound took: the fine one takes about FINE_BOUND_COST times as long
     if bound and not exact and deadline is not None and problem.num_stages >= LONG_PROBLEM:
+        rough_started = time.perf_counter()
         lower = _relaxed_optimum(problem, budget_bytes, _bound_search(search, ROUGH_BUCKETS, 1 / 4, limit=ROUGH_FRONT),
                                  seconds * (1 + 1e-9))[0]
-        better, exact, longest = _deepening(problem, _sharing(search, EARLY_SEARCH_SHARE), seconds, longest)
+        rough_seconds = time.perf_counter() - rough_started
+        better, exact, longest = _deepening(problem, _sharing(search, EARLY_SEARCH_SHARE), seconds, longest,
+                                            up_to=EARLY_LONGEST)
         if better is not None:
             schedule, seconds = better, recompute_seconds(problem, better)
     for round_ in range(refinements + 1):
@@ -1292,8 +1301,12 @@ def solve_dp(problem: Problem, budget_bytes: int, *, buckets: int = 2000, front_
             search = dataclasses.replace(search, buckets=search.buckets * 4)
             longest = 2 * SHORT_REGIONS
         if bound:
+            fronts = BOUND_FRONTS
+            if deadline is not None and \
+                    FINE_BOUND_SHARE * (deadline - time.perf_counter()) < FINE_BOUND_COST * rough_seconds:
+                fronts = 1  # fronts merged four times sooner: about a quarter of the time, a looser bound
             found, relaxed_plan = _relaxed_optimum(problem, budget_bytes,
-                                                   _bound_search(search, search.buckets, FINE_BOUND_SHARE),
+                                                   _bound_search(search, search.buckets, FINE_BOUND_SHARE, fronts),
                                                    seconds * (1 + 1e-9))
             lower = _higher_bound(lower, found)
             if relaxed_plan is not None and recompute_seconds(problem, relaxed_plan) <= seconds \
@@ -1321,14 +1334,16 @@ def _higher_bound(bound: float | None, other: float | None) -> float | None:
     return bound
 
 
-def _deepening(problem: Problem, search: _Search, seconds: float,
-               longest: int = 2 * SHORT_REGIONS) -> tuple[Schedule | None, bool, int | None]:
+def _deepening(problem: Problem, search: _Search, seconds: float, longest: int = 2 * SHORT_REGIONS,
+               up_to: int | None = None) -> tuple[Schedule | None, bool, int | None]:
     """Searches within ``seconds`` (a known plan's) with regions of at most ``longest`` stages, then twice as
-    long, until any length: each is cheaper than the next, so a time limit still leaves the best plan found so
-    far. Returns it (None if none is faster), whether the last, unlimited search was exact, and the longest
-    regions of the search that did not finish in time (None when the unlimited one finished)."""
+    long, until any length (or past ``up_to``): each is cheaper than the next, so a time limit still leaves the
+    best plan found so far. Returns it (None if none is faster), whether the last, unlimited search was exact,
+    and the longest regions of the search that did not run or finish (None when the unlimited one finished)."""
     best = None
     while True:
+        if up_to is not None and longest > up_to:
+            return best, False, longest
         unlimited = longest >= problem.num_stages
         try:
             found, exact = _within_budget(problem, dataclasses.replace(
