@@ -1281,16 +1281,17 @@ def solve_dp(problem: Problem, budget_bytes: int, *, buckets: int = 2000, front_
     seconds = recompute_seconds(problem, schedule)
     lower = None
     longest: int | None = 2 * SHORT_REGIONS  # where the search for better plans goes on (None: done)
+    level_seconds = 0.0  # what its last finished level took
     rough_seconds = 0.0  # what the rough bound took: the fine one takes about FINE_BOUND_COST times as long
     if bound and not exact and deadline is not None and problem.num_stages >= LONG_PROBLEM:
         rough_started = time.perf_counter()
         lower = _relaxed_optimum(problem, budget_bytes, _bound_search(search, ROUGH_BUCKETS, 1 / 4, limit=ROUGH_FRONT),
                                  seconds * (1 + 1e-9))[0]
         rough_seconds = time.perf_counter() - rough_started
-        better, exact, longest = _deepening(problem, _sharing(search, EARLY_SEARCH_SHARE), seconds, longest,
-                                            up_to=EARLY_LONGEST)
-        if better is not None:
-            schedule, seconds = better, recompute_seconds(problem, better)
+        deepened = _deepening(problem, _sharing(search, EARLY_SEARCH_SHARE), seconds, up_to=EARLY_LONGEST)
+        exact, longest, level_seconds = deepened.exact, deepened.longest, deepened.level_seconds
+        if deepened.schedule is not None:
+            schedule, seconds = deepened.schedule, recompute_seconds(problem, deepened.schedule)
     for round_ in range(refinements + 1):
         if exact or (bound and (relative_gap(seconds, lower) or 0.0) <= target_gap and lower is not None):
             break
@@ -1299,7 +1300,7 @@ def solve_dp(problem: Problem, budget_bytes: int, *, buckets: int = 2000, front_
                     _unit(chain_relaxation(problem), budget_bytes, search.buckets)[1]:
                 break  # nothing was rounded: finer steps change nothing
             search = dataclasses.replace(search, buckets=search.buckets * 4)
-            longest = 2 * SHORT_REGIONS
+            longest, level_seconds = 2 * SHORT_REGIONS, 0.0
         if bound:
             fronts = BOUND_FRONTS
             if deadline is not None and \
@@ -1315,9 +1316,10 @@ def solve_dp(problem: Problem, budget_bytes: int, *, buckets: int = 2000, front_
             if lower is not None and (relative_gap(seconds, lower) or 0.0) <= target_gap:
                 break
         if longest is not None:
-            better, exact, longest = _deepening(problem, search, seconds, longest)
-            if better is not None:
-                schedule, seconds = better, recompute_seconds(problem, better)
+            deepened = _deepening(problem, search, seconds, longest, level_seconds=level_seconds)
+            exact, longest, level_seconds = deepened.exact, deepened.longest, deepened.level_seconds
+            if deepened.schedule is not None:
+                schedule, seconds = deepened.schedule, recompute_seconds(problem, deepened.schedule)
         if not bound or (deadline is not None and time.perf_counter() > deadline):
             break
     return plan(schedule, lower, exact)
@@ -1334,26 +1336,46 @@ def _higher_bound(bound: float | None, other: float | None) -> float | None:
     return bound
 
 
+@dataclass(frozen=True)
+class _Deepened:
+    """What :func:`_deepening` found: a faster plan (or None), whether the last, unlimited search was exact, the
+    longest regions of the search that did not run or finish (None once the unlimited one finished), and the
+    seconds the last finished search took."""
+
+    schedule: Schedule | None
+    exact: bool
+    longest: int | None
+    level_seconds: float
+
+
+LEVEL_GROWTH = 3  # doubling the longest region multiplies a search's time by about 4 (Llama-7B: 3.6 s, then
+# 14.6 s); one that looks like needing more than this many times the last is not begun: cut off, it finds nothing
+
+
 def _deepening(problem: Problem, search: _Search, seconds: float, longest: int = 2 * SHORT_REGIONS,
-               up_to: int | None = None) -> tuple[Schedule | None, bool, int | None]:
+               up_to: int | None = None, level_seconds: float = 0.0) -> _Deepened:
     """Searches within ``seconds`` (a known plan's) with regions of at most ``longest`` stages, then twice as
-    long, until any length (or past ``up_to``): each is cheaper than the next, so a time limit still leaves the
-    best plan found so far. Returns it (None if none is faster), whether the last, unlimited search was exact,
-    and the longest regions of the search that did not run or finish (None when the unlimited one finished)."""
+    long, until any length (or past ``up_to``, or when the time left looks too short for the next): each is
+    cheaper than the next, so a time limit still leaves the best plan found so far. ``level_seconds``: what the
+    last search took."""
     best = None
     while True:
-        if up_to is not None and longest > up_to:
-            return best, False, longest
+        too_short = search.deadline is not None and \
+            search.deadline - time.perf_counter() < LEVEL_GROWTH * level_seconds
+        if (up_to is not None and longest > up_to) or too_short:
+            return _Deepened(best, False, longest, level_seconds)
         unlimited = longest >= problem.num_stages
+        started = time.perf_counter()
         try:
             found, exact = _within_budget(problem, dataclasses.replace(
                 search, longest_region=None if unlimited else longest), seconds)
         except SolverTimeout:
-            return best, False, longest
+            return _Deepened(best, False, longest, level_seconds)
+        level_seconds = time.perf_counter() - started
         if recompute_seconds(problem, found) < seconds:
             best, seconds = found, recompute_seconds(problem, found)
         if unlimited:
-            return best, exact, None
+            return _Deepened(best, exact, None, level_seconds)
         longest *= 2
 
 
