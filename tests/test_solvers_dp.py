@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import random
+import time
 
 import pytest
 
@@ -11,8 +12,8 @@ from planner.errors import InfeasibleBudgetError
 from planner.plan import SolverStatus
 from planner.problem import Problem, Schedule, Stage, TensorInfo, simulate
 from planner.solvers import dp as dp_module
-from planner.solvers.dp import (_relaxed_optimum, _repeats, _Search, _tables, chain_relaxation, lower_bound,
-                                minimum_peak, relative_gap, solve_dp)
+from planner.solvers.dp import (_deepening, _Deepened, _relaxed_optimum, _repeats, _Search, _tables,
+                                chain_relaxation, lower_bound, minimum_peak, relative_gap, solve_dp)
 from planner.solvers.ilp import solve_ilp
 from tests.solver_problems import (brute_force_best, brute_force_table, layered_chain, random_chain, random_dag,
                                    random_schedule)
@@ -199,6 +200,16 @@ def test_a_time_limit_returns_a_feasible_plan_and_progress_is_reported():
     assert plan.predicted_peak_bytes <= budget == plan.budget_bytes
     assert plan.status is SolverStatus.FEASIBLE
     assert lines and lines[0].startswith("dp: stage 1/48")
+
+
+def test_a_deepening_level_the_time_left_cannot_fit_is_not_begun():
+    problem = layered_chain(12, 0)
+    budget = (simulate(problem, Schedule.uniform(12)).peak_bytes + simulate(problem, Schedule()).peak_bytes) // 2
+    hurried = _Search(budget, 2000, 64, deadline=time.perf_counter() + 5.0)
+    assert _deepening(problem, hurried, math.inf, level_seconds=10.0) == _Deepened(None, False, 4, 10.0)
+    unhurried = _deepening(problem, _Search(budget, 2000, 64), math.inf, level_seconds=10.0)
+    assert unhurried.schedule is not None and unhurried.longest is None  # every level ran, up to any length
+    assert simulate(problem, unhurried.schedule).peak_bytes <= budget
 
 
 # --- structural sharing ------------------------------------------------------------------------------------------
