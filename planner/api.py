@@ -86,6 +86,16 @@ def ddp_bucket_bytes(module: torch.nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in trained.values())
 
 
+def training_state_bytes(module: torch.nn.Module, optimizer: torch.optim.Optimizer | None, ddp: bool) -> int:
+    """What training keeps besides the model's own tensors, fixed through the step: the optimizer's state and,
+    with ``ddp``, DDP's gradient buckets.
+
+    >>> training_state_bytes(torch.nn.Linear(3, 2), None, ddp=True)
+    32
+    """
+    return optimizer_state_bytes(optimizer) + (ddp_bucket_bytes(module) if ddp else 0)
+
+
 def fingerprint(captured: CapturedGraph, *, as_device: str | None = None) -> str:
     """A short hash of the graph's nodes, the parameters' shapes and the input signature.
 
@@ -156,8 +166,7 @@ def pose(captured: CapturedGraph, *, loss_fn: Callable | None = None, optimizer=
     # never cached: random ops (the recomputation must draw the same numbers) and outputs later written in place
     random_nodes = {n.name for n in captured.compute_nodes() if is_random(n)} | mutated_nodes(captured.graph_module)
     problem = build_problem(profile, stages, random_nodes=random_nodes,
-                            extra_fixed_bytes=optimizer_state_bytes(optimizer)
-                            + (ddp_bucket_bytes(captured.graph_module) if ddp else 0),
+                            extra_fixed_bytes=training_state_bytes(captured.graph_module, optimizer, ddp),
                             name=type(captured.graph_module).__name__, hold_outputs=hold_outputs)
     stage_of = {node: i for i, spec in enumerate(stages) for node in spec.nodes}
     try:
@@ -411,8 +420,8 @@ class OptimizedModule(torch.nn.Module):
         options = self._options
         try:
             recorded = record_calls(self.model, args, kwargs, loss_fn=options["loss_fn"],
-                                    extra_fixed_bytes=optimizer_state_bytes(options["optimizer"])
-                                    + (ddp_bucket_bytes(self.model) if options["ddp"] else 0))
+                                    extra_fixed_bytes=training_state_bytes(self.model, options["optimizer"],
+                                                                           options["ddp"]))
         except Exception:
             raise error from None  # the inputs do not fit the model at all
         found = capturable_parts(self.model, recorded.calls)
