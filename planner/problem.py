@@ -358,4 +358,3 @@ def recompute_seconds(problem: Problem, schedule: Schedule) -> float:
     """
     return sum(problem.stages[k].recompute_options[r.option_of(k)].recompute_seconds
                for r in schedule.regions for k in r.stages)
-

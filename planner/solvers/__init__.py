@@ -61,8 +61,6 @@ def solve(problem: Problem, budget_bytes: int, method: str = "auto", **options) 
 
 
 ILP_STAGES = 64  # the exact ILP closes the DP's gap on problems up to this many stages (see benchmarks)
-
-
 ILP_SIZE = 40_000  # and up to this many stages x tensors: beyond, building it takes too long to share the time
 AUTO_TIME_LIMIT = 60.0  # seconds auto spends at most by default: then the best plan, with its proven gap
 

@@ -679,13 +679,19 @@ class _Shared:
                               self.search)
 
 
+def _shifted_need(point: _Open | _Closed, shift: int, region: _Region) -> int | None:
+    """A shared program's point as ``region``'s start sees it (backward needs ``shift`` bytes apart): its need,
+    or None when it does not fit that start's budget and ceiling."""
+    need = max(point.need, point.need_back + shift)
+    return region._canonical(need) if region._fits(need) and point.seconds <= region.ceiling else None
+
+
 def _shifted_closed(closed: list[_Closed], shift: int, region: _Region) -> list[_Closed]:
-    """A shared program's closed regions as ``region``'s start sees them: backward needs ``shift`` bytes apart."""
+    """A shared program's closed regions as ``region``'s start sees them."""
     kept = []
     for c in closed:
-        need = max(c.need, c.need_back + shift)
-        if region._fits(need) and c.seconds <= region.ceiling:
-            kept.append(_Closed(c.adds, region._canonical(need), c.forward_first, c.seconds, c.options))
+        if (need := _shifted_need(c, shift, region)) is not None:
+            kept.append(_Closed(c.adds, need, c.forward_first, c.seconds, c.options))
     return _closed_front(kept)
 
 
@@ -693,9 +699,8 @@ def _shifted_open(points: list[_Open], shift: int, region: _Region) -> list[_Ope
     """A shared program's open regions as ``region``'s start sees them, to go on past the repeated stages."""
     kept = []
     for p in points:
-        need = max(p.need, p.need_back + shift)
-        if region._fits(need) and p.seconds <= region.ceiling:
-            kept.append(p._replace(need=region._canonical(need), need_back=0))
+        if (need := _shifted_need(p, shift, region)) is not None:
+            kept.append(p._replace(need=need, need_back=0))
     return region._prune(kept)
 
 
