@@ -53,3 +53,23 @@ def assert_same_training(a: StepResult, b: StepResult, *, atol: float = 1e-5) ->
     assert a.buffers.keys() == b.buffers.keys()
     for name in a.buffers:
         torch.testing.assert_close(a.buffers[name], b.buffers[name], atol=atol, rtol=atol, msg=f"buffer {name}")
+
+
+class NoGradInside(torch.nn.Module):
+    """Four MLP blocks; block 1 runs under ``torch.no_grad`` inside forward, which cuts blocks 0 and 1 off from
+    the backward."""
+
+    def __init__(self, width: int = 32):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(width, 4 * width), torch.nn.GELU(), torch.nn.Linear(4 * width, width))
+            for _ in range(4))
+
+    def forward(self, x):
+        for i, layer in enumerate(self.layers):
+            if i == 1:
+                with torch.no_grad():
+                    x = x + layer(x)
+            else:
+                x = x + layer(x)
+        return x

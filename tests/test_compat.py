@@ -14,7 +14,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import planner
 from planner.parts import PartialCaptureWarning
-from tests.helpers import StepResult, assert_same_training, training_step
+from tests.helpers import NoGradInside, StepResult, assert_same_training, training_step
 
 WIDTH = 32
 
@@ -96,23 +96,6 @@ class FrozenWithBuffers(torch.nn.Module):
         self.steps += 1
         for layer in self.layers:
             x = x + layer(x + self.shift) * context
-        return x
-
-
-class NoGradInside(torch.nn.Module):
-    """A ``torch.no_grad`` region inside forward."""
-
-    def __init__(self):
-        super().__init__()
-        self.layers = torch.nn.ModuleList(block() for _ in range(4))
-
-    def forward(self, x):
-        for i, layer in enumerate(self.layers):
-            if i == 1:
-                with torch.no_grad():
-                    x = x + layer(x)
-            else:
-                x = x + layer(x)
         return x
 
 

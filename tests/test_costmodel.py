@@ -5,7 +5,7 @@ from planner.capture import capture
 from planner.costmodel import build_problem, calibrate, is_random, partition_stages, recompute_options
 from planner.problem import Schedule, simulate
 from planner.profile import measure_stages, profile_graph
-from tests.helpers import training_step
+from tests.helpers import NoGradInside, training_step
 
 
 class Tower(torch.nn.Module):
@@ -124,27 +124,9 @@ def test_per_option_corrections_reach_their_option_and_never_go_below_zero(tower
                 assert new.recompute_seconds == pytest.approx(old.recompute_seconds + 0.25 * o)
 
 
-class NoGradMiddle(torch.nn.Module):
-    """Block 1 runs under ``torch.no_grad``: blocks 0 and 1 are cut off from the backward."""
-
-    def __init__(self, width=32):
-        super().__init__()
-        self.blocks = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(width, 4 * width), torch.nn.GELU(),
-                                                              torch.nn.Linear(4 * width, width)) for _ in range(4))
-
-    def forward(self, x):
-        for i, block in enumerate(self.blocks):
-            if i == 1:
-                with torch.no_grad():
-                    x = x + block(x)
-            else:
-                x = x + block(x)
-        return x
-
-
 def test_what_a_no_grad_block_cuts_off_saves_nothing_and_gets_no_gradients():
     torch.manual_seed(0)
-    model, x = NoGradMiddle(), torch.randn(256, 32)
+    model, x = NoGradInside(), torch.randn(256, 32)
     captured = capture(model, (x,))
     profile = profile_graph(captured, repeats=1)
     cut = {p.name for p in profile.nodes if not p.in_backward}
@@ -154,7 +136,7 @@ def test_what_a_no_grad_block_cuts_off_saves_nothing_and_gets_no_gradients():
     first = [k for k, s in enumerate(stages) if "linear" in s.nodes][0]
     assert problem.stages[first].grad_bytes == 0 and problem.stages[first].output_grad_bytes == 0
     assert not any(first in t.savers for t in problem.tensors)
-    assert sum(s.grad_bytes for s in problem.stages) == sum(p.numel() * 4 for p in model.blocks[2:].parameters())
+    assert sum(s.grad_bytes for s in problem.stages) == sum(p.numel() * 4 for p in model.layers[2:].parameters())
     # counting their saved tensors as held through the backward predicted 1,018,368 bytes for this 936,584-byte step
     stage_of = {node: i for i, s in enumerate(stages) for node in s.nodes}
     loss_fn = lambda out: out.pow(2).mean()  # noqa: E731
