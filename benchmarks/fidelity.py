@@ -1,8 +1,13 @@
 """How true is the cost model? Predicted against measured peak memory and step-time overhead.
 
 For each example model and several budgets (shares of the way from the smallest feasible peak to the eager peak),
-plan, run the planned module, and measure its peak with the live-storage meter and its step time against eager
-with interleaved repeats (fastest of the repeats: load on the machine only adds time). Prints one table.
+plan, run the planned module, and measure its peak with the live-storage meter and its step time with interleaved
+repeats (fastest of the repeats: load on the machine only adds time). Prints one table.
+
+The cost model predicts what recomputation adds to the captured graph's step, so the overhead it is held to is
+measured against that graph run without checkpoints ("vs graph"). The captured graph itself runs a few percent
+faster than the model as written (no module calls or hooks on the CPU), so the overhead a user sees against their
+own model ("vs model") is smaller still; both are printed.
 
     python -m benchmarks.fidelity [--size test|demo] [--repeats 7] [models...]
 """
@@ -10,6 +15,7 @@ with interleaved repeats (fastest of the repeats: load on the machine only adds 
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
 
 import torch
 
@@ -31,7 +37,29 @@ def fastest_steps(example, modules: dict, repeats: int) -> dict[str, float]:
     return best
 
 
-def rows_for(name: str, size: str, repeats: int) -> list[tuple]:
+@dataclass(frozen=True)
+class FidelityRow:
+    """One plan of one model: its budget, predicted and measured peak, predicted and measured overheads."""
+
+    model: str
+    point: str
+    budget_bytes: int
+    predicted_peak_bytes: int
+    measured_peak_bytes: int
+    predicted_overhead: float
+    overhead_vs_graph: float  # against the captured graph without checkpoints: what the cost model predicts
+    overhead_vs_model: float  # against the model as written: what the user sees
+
+    @property
+    def peak_error(self) -> float:
+        return self.predicted_peak_bytes / self.measured_peak_bytes - 1
+
+    @property
+    def overhead_error(self) -> float:
+        return self.predicted_overhead / self.overhead_vs_graph - 1
+
+
+def rows_for(name: str, size: str, repeats: int) -> list[FidelityRow]:
     example = build_example(name, size=size)
     captured = capture(example.model, example.example_inputs, example.example_kwargs)
     problem, stage_nodes = pose_problem(captured, loss_fn=example.loss_fn, hold_outputs=False)
@@ -41,14 +69,15 @@ def rows_for(name: str, size: str, repeats: int) -> list[tuple]:
     for point in POINTS:
         plan = solvers.solve(problem, int(smallest + point * (eager_peak - smallest)))
         plans[f"{point:.0%}"] = plan
-    modules = {"eager": example.model, **{k: planned_module(captured, p, stage_nodes) for k, p in plans.items()}}
+    modules = {"model": example.model, "graph": captured.graph_module,
+               **{k: planned_module(captured, p, stage_nodes) for k, p in plans.items()}}
     seconds = fastest_steps(example, modules, repeats)
     rows = []
     for key, plan in plans.items():
         peak, _ = example.measured_step(modules[key])
-        overhead = seconds[key] / seconds["eager"] - 1
-        rows.append((name, key, plan.budget_bytes, plan.predicted_peak_bytes, peak, plan.predicted_overhead,
-                     overhead))
+        rows.append(FidelityRow(name, key, plan.budget_bytes, plan.predicted_peak_bytes, peak,
+                                plan.predicted_overhead, seconds[key] / seconds["graph"] - 1,
+                                seconds[key] / seconds["model"] - 1))
     return rows
 
 
@@ -61,21 +90,21 @@ def main(argv=None) -> None:
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, size {args.size}; budget points go from "
           f"the smallest feasible peak (0%) to the eager peak (100%)\n")
     header = (f"{'model':11s} {'point':>5s} {'budget':>10s} {'predicted':>10s} {'measured':>10s} {'error':>7s} "
-              f"{'overhead pred':>13s} {'measured':>9s}")
+              f"{'overhead pred':>13s} {'vs graph':>9s} {'vs model':>9s}")
     print(header)
     print("-" * len(header))
     worst_peak, worst_overhead = 0.0, 0.0
     for name in args.models:
-        for model, point, budget, predicted, peak, predicted_overhead, overhead in rows_for(name, args.size,
-                                                                                          args.repeats):
-            error = predicted / peak - 1
-            worst_peak = max(worst_peak, abs(error))
-            if overhead > 0.05:
-                worst_overhead = max(worst_overhead, abs(predicted_overhead / overhead - 1))
-            print(f"{model:11s} {point:>5s} {format_bytes(budget):>10s} {format_bytes(predicted):>10s} "
-                  f"{format_bytes(peak):>10s} {error:>+7.1%} {predicted_overhead:>13.1%} {overhead:>9.1%}")
+        for row in rows_for(name, args.size, args.repeats):
+            worst_peak = max(worst_peak, abs(row.peak_error))
+            if row.overhead_vs_graph > 0.05:
+                worst_overhead = max(worst_overhead, abs(row.overhead_error))
+            print(f"{row.model:11s} {row.point:>5s} {format_bytes(row.budget_bytes):>10s} "
+                  f"{format_bytes(row.predicted_peak_bytes):>10s} {format_bytes(row.measured_peak_bytes):>10s} "
+                  f"{row.peak_error:>+7.1%} {row.predicted_overhead:>13.1%} {row.overhead_vs_graph:>9.1%} "
+                  f"{row.overhead_vs_model:>9.1%}")
     print(f"\nworst peak error {worst_peak:.1%}; worst relative overhead error {worst_overhead:.0%} "
-          f"(over plans whose measured overhead exceeds 5%)")
+          f"(predicted against measured vs graph, over plans whose measured overhead exceeds 5%)")
 
 
 if __name__ == "__main__":

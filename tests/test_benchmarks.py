@@ -51,3 +51,15 @@ def test_run_side_by_side_table_on_a_tiny_chain():
     assert len(text.splitlines()) == 2 + len(rows) and text.count("| tiny |") == len(rows)
     summary = run.summary(rows)
     assert "At equal memory" in summary and uniform.label in summary
+
+
+def test_fidelity_rows_hold_predicted_peaks_and_time_against_the_captured_graph():
+    """benchmarks.fidelity on the LargeBlock chain at test size, one timing round: every budget point's predicted
+    peak holds within 3% when measured, and the no-recomputation point predicts no overhead."""
+    from benchmarks import fidelity
+
+    rows = fidelity.rows_for("largeblock", "test", repeats=1)
+    assert [r.point for r in rows] == ["0%", "25%", "50%", "75%", "100%"]
+    assert all(abs(r.peak_error) <= 0.03 and r.measured_peak_bytes <= r.budget_bytes for r in rows)
+    assert rows[-1].predicted_overhead == 0 and rows[0].predicted_overhead > rows[2].predicted_overhead > 0
+    assert all(r.overhead_vs_graph > -1 and r.overhead_vs_model > -1 for r in rows)
