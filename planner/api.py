@@ -14,6 +14,7 @@ True
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import warnings
@@ -23,7 +24,7 @@ from typing import Any, Callable
 import torch
 
 from .budget import Budget, format_bytes, parse_budget
-from .capture import CapturedGraph, autocast_state, capture, input_signature, mutated_nodes
+from .capture import CapturedGraph, autocast_state, capture, input_signature, mutated_nodes, plan_key
 from .devices import DeviceSpec, device_spec
 from .meta import device_type_of, target_kernels
 from .timing import AnalyticStopwatch, stopwatch_for
@@ -34,7 +35,7 @@ from .problem import Problem, Region, Schedule, simulate
 from .profile import StageMeasurement, default_loss, measure_stages, fastest_step_seconds, preserved_training_state, profile_graph
 from .parts import PartialCaptureWarning, ReducedBudget, capturable_parts, parts_planned, record_calls
 from .rewrite import apply_plan
-from . import solvers
+from . import fsdp, solvers
 
 __all__ = ["optimize", "plan", "apply", "OptimizedModule", "Planned"]
 
@@ -60,8 +61,8 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer | None) -> int:
     """
     if optimizer is None:
         return 0
-    existing = sum(v.untyped_storage().nbytes() for state in optimizer.state.values() for v in state.values()
-                   if isinstance(v, torch.Tensor) and v.dim() > 0)
+    existing = sum(_local(v).untyped_storage().nbytes() for state in optimizer.state.values()
+                   for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
     if existing:
         return existing
     name = type(optimizer).__name__.lower()
@@ -71,7 +72,12 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer | None) -> int:
     elif name in ("rmsprop", "adagrad", "adadelta"):
         copies = 1 if name != "adadelta" else 2
     params = {id(p): p for g in optimizer.param_groups for p in g["params"] if p.requires_grad}
-    return copies * sum(p.numel() * 4 for p in params.values())
+    return copies * sum(_local(p).numel() * 4 for p in params.values())
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a tensor sharded by FSDP2 (a DTensor), else the tensor."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
 def ddp_bucket_bytes(module: torch.nn.Module) -> int:
@@ -153,15 +159,19 @@ def captured_device_type(captured: CapturedGraph) -> str:
 
 def pose(captured: CapturedGraph, *, loss_fn: Callable | None = None, optimizer=None, ddp: bool = False,
          max_stages: int = 64, profile_repeats: int = 3, hold_outputs: bool = True,
-         device: str | DeviceSpec | None = None) -> Posed:
+         device: str | DeviceSpec | None = None, sharding: fsdp.Sharding | None = None) -> Posed:
     """Profile ``captured`` and pose the planning problem, timed for ``device`` (a name or a
     :class:`~planner.devices.DeviceSpec`: analytic times) or, without it, measured where the tensors are.
-    The optimizer's state and, with ``ddp``, DDP's gradient buckets count as fixed memory."""
+    The optimizer's state and, with ``ddp``, DDP's gradient buckets count as fixed memory; with ``sharding`` (the
+    model's ``fully_shard`` units, profiled gathered) each sharded parameter and gradient counts at its shard's
+    size."""
     spec = device_spec(device) if device is not None else None
     device_type = captured_device_type(captured)
     stopwatch = stopwatch_for(device_type, spec)
     kernels = target_kernels(device_type, spec)
     profile = profile_graph(captured, repeats=profile_repeats, stopwatch=stopwatch, kernels=kernels)
+    if sharding is not None:
+        profile = fsdp.per_rank_profile(profile, captured.graph_module, sharding)
     stages = partition_stages(profile, max_stages=max_stages)
     # never cached: random ops (the recomputation must draw the same numbers) and outputs later written in place
     random_nodes = {n.name for n in captured.compute_nodes() if is_random(n)} | mutated_nodes(captured.graph_module)
@@ -338,11 +348,41 @@ def plan(model: torch.nn.Module, budget: int | str | None, example_inputs: Any =
         raise PlannerError("planner.plan needs example inputs",
                            hint="pass example_inputs=(batch,) with the inputs of one training step")
     device_type_of(model, (example_inputs, example_kwargs))  # one device, or say how to get there
+    options = dict(loss_fn=loss_fn, optimizer=optimizer, solver=solver, max_stages=max_stages,
+                   profile_repeats=profile_repeats, solver_options=solver_options, hold_outputs=hold_outputs,
+                   device=device, allocator_margin=allocator_margin, ddp=ddp)
+    sharding = fsdp.sharding_of(model)
+    if sharding is not None:
+        return _plan_sharded(model, _as_args(example_inputs), dict(example_kwargs or {}), sharding, budget,
+                             options).plan
     captured = capture(model, _as_args(example_inputs), example_kwargs)
-    return _plan_captured(model, captured, budget, loss_fn=loss_fn, optimizer=optimizer, solver=solver,
-                          max_stages=max_stages, profile_repeats=profile_repeats,
-                          solver_options=solver_options, hold_outputs=hold_outputs, device=device,
-                          allocator_margin=allocator_margin, ddp=ddp).plan
+    return _plan_captured(model, captured, budget, **options).plan
+
+
+_POSE_OPTIONS = ("loss_fn", "optimizer", "ddp", "max_stages", "profile_repeats", "hold_outputs", "device")
+
+
+def _plan_sharded(model: torch.nn.Module, args: tuple, kwargs: dict, sharding: fsdp.Sharding, budget,
+                  options: dict, wrapper: torch.nn.Module | None = None) -> Planned:
+    """Plan a model sharded with ``fully_shard`` (see :mod:`planner.fsdp`; every rank calls this together): it is
+    captured and profiled with every unit gathered, each rank's memory is measured in a step that runs FSDP, and
+    every rank takes rank 0's plan. ``wrapper``: the optimized module, when it is sharded too."""
+    fsdp.check_same_inputs_on_all_ranks(input_signature(args, kwargs))
+    with fsdp.unsharded_for_capture(model, wrapper):
+        captured = dataclasses.replace(capture(model, args, kwargs), sharding=sharding)
+        fsdp.check_units_run_in_one_piece(captured.graph_module, sharding)
+        posed = pose(captured, sharding=sharding, **{k: options[k] for k in _POSE_OPTIONS if k in options})
+    problem = fsdp.per_rank_problem(posed.problem, posed.stage_nodes, captured, model, sharding,
+                                    loss_fn=options.get("loss_fn"), hold_outputs=options.get("hold_outputs", True),
+                                    wrapper=wrapper)
+    posed = dataclasses.replace(posed, problem=problem)
+    world = max(u.world_size for u in sharding.units)
+
+    def solve() -> Plan:
+        plan = _plan_captured(model, captured, budget, posed=posed, **options).plan
+        return dataclasses.replace(plan, extra=plan.extra + (("fsdp_world_size", world),))
+
+    return Planned(captured, problem, fsdp.rank_zero_plan(solve))
 
 
 def _swapped_tensors(model: torch.nn.Module, planned: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -402,18 +442,35 @@ class OptimizedModule(torch.nn.Module):
         return self._planned[self._last.captured.key][1].code if self._last else ""
 
     def add_plan(self, planned: Planned) -> None:
-        module = apply_plan(planned.captured.graph_module, planned.plan)
-        self._planned[planned.captured.key] = (planned, module)
+        captured, plan = planned.captured, planned.plan
+        graph_module = captured.graph_module
+        if captured.sharding is not None:  # the graph runs the units' FSDP hooks itself
+            graph_module, stage_nodes = fsdp.with_unit_hooks(graph_module, plan.stage_nodes, self.model,
+                                                             captured.sharding, wrapper=self)
+            plan = dataclasses.replace(plan, stage_nodes=stage_nodes)
+        self._planned[captured.key] = (planned, apply_plan(graph_module, plan))
         self._last = planned
 
     def _plan_for(self, args: tuple, kwargs: dict) -> None:
         device_type_of(self.model, (args, kwargs))  # one device, or say how to get there
+        sharding = fsdp.sharding_of(self.model, self)
+        if sharding is not None:
+            self._forget_other_shardings(sharding)
+            self.add_plan(_plan_sharded(self.model, args, kwargs, sharding, self.budget, self._options, self))
+            return
         try:
             captured = capture(self.model, args, kwargs)
         except PlannerError as error:
             self._parts = self._plan_parts(args, kwargs, error)
             return
         self.add_plan(_plan_captured(self.model, captured, self.budget, **self._options))
+
+    def _forget_other_shardings(self, sharding: fsdp.Sharding) -> None:
+        """Drop plans made before the model was sharded this way: they hold the parameters as they were then (the
+        whole unsharded tensors, when the model was sharded after planning)."""
+        for key in [k for k in self._planned if k[2:] != (sharding.signature,)]:
+            if self._last is self._planned.pop(key)[0]:
+                self._last = None
 
     def _plan_parts(self, args: tuple, kwargs: dict, error: PlannerError) -> dict[str, "OptimizedModule"]:
         """Plan the largest submodules that capture (see :mod:`planner.parts`); re-raise ``error`` when none does."""
@@ -457,17 +514,31 @@ class OptimizedModule(torch.nn.Module):
             f"{', '.join(parts)} to shed {format_bytes(shed)} together, and runs the rest eagerly"), stacklevel=4)
         return parts
 
+    def _key(self, args: tuple, kwargs: dict, sharded: tuple | None) -> tuple:
+        return plan_key(input_signature(args, kwargs), autocast_state(), sharded)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """When ``fully_shard`` was applied to this module, a missing plan is made before FSDP's own forward hooks
+        run (they gather parameters and begin a step planning must not be inside of)."""
+        if fsdp.is_sharded(self) and self.training and torch.is_grad_enabled() and self._parts is None:
+            if self._key(args, kwargs, fsdp.units_signature(self.model, self)) not in self._planned:
+                self._plan_for(args, kwargs)
+        return super().__call__(*args, **kwargs)
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if not (self.training and torch.is_grad_enabled()):
             return self.model(*args, **kwargs)
         if self._parts is not None:
             with parts_planned(self.model, self._parts):
                 return self.model(*args, **kwargs)
-        key = (input_signature(args, kwargs), autocast_state())
+        sharded = fsdp.units_signature(self.model, self)
+        key = self._key(args, kwargs, sharded)
         if key not in self._planned:
             self._plan_for(args, kwargs)
         planned, module = self._planned[key]
         self._last = planned
+        if sharded is not None:  # the graph gathers the units' parameters through FSDP's own hooks
+            return module(*args, **kwargs)
         swapped = _swapped_tensors(self.model, module)
         if swapped:  # FSDP2 and the like put other tensors in the model's parameters: run on those
             return torch.func.functional_call(module, swapped, args, kwargs, strict=False)
@@ -528,6 +599,11 @@ def optimize(model: torch.nn.Module, budget: int | str | None, example_inputs: A
         (``device`` given or the model on CUDA), 0 on the CPU. Recorded in the plan.
     ddp : the module will train under ``DistributedDataParallel``: its gradient buckets (one more copy of the
         gradients) count into the per-rank budget. Recorded in the plan's ``extra``.
+
+    Under FSDP2, ``fully_shard`` the blocks and then the model (or the module this returns), before or after this
+    call: the plan is made for this rank's share (a sharded model plans again on its first call; without
+    ``example_inputs`` the first plan is the sharded one), every rank runs rank 0's plan, and the planned graph runs
+    the blocks' FSDP hooks itself (see :mod:`planner.fsdp`).
     """
     options = dict(loss_fn=loss_fn, optimizer=optimizer, solver=solver, max_stages=max_stages,
                    profile_repeats=profile_repeats, solver_options=solver_options, hold_outputs=hold_outputs,
@@ -554,7 +630,9 @@ def _replannable_budget(plan: Plan) -> int | str:
 def apply(model: torch.nn.Module, plan: Plan, example_inputs: Any = None, *,
           example_kwargs: dict | None = None) -> OptimizedModule:
     """Turn a saved ``plan`` into a module for ``model``; the model and input shapes must match the plan's."""
-    captured = capture(model, _as_args(example_inputs), example_kwargs)
+    sharding = fsdp.sharding_of(model)
+    with fsdp.unsharded_for_capture(model) if sharding is not None else contextlib.nullcontext():
+        captured = dataclasses.replace(capture(model, _as_args(example_inputs), example_kwargs), sharding=sharding)
     found = fingerprint(captured, as_device="meta" if plan.device == "meta" else None)  # meta plans fit any device
     if plan.fingerprint and found != plan.fingerprint:
         raise PlannerError(f"the plan was made for fingerprint {plan.fingerprint}, but this model with these "

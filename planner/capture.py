@@ -35,11 +35,14 @@ class CapturedGraph:
     example_kwargs: dict
     input_signature: tuple
     autocast: tuple = ()
+    sharding: Any = None  # the model's fully_shard units (planner.fsdp.Sharding) when it has any
 
     @property
     def key(self) -> tuple:
-        """What plans are cached under: the input signature and the autocast state it was profiled in."""
-        return (self.input_signature, self.autocast)
+        """What plans are cached under: the input signature, the autocast state it was profiled in and, for a
+        model sharded with ``fully_shard``, its units."""
+        return plan_key(self.input_signature, self.autocast,
+                        self.sharding.signature if self.sharding is not None else None)
 
     def compute_nodes(self) -> Iterator[fx.Node]:
         """Nodes that compute (``call_function``), in execution order."""
@@ -95,6 +98,12 @@ def mutated_nodes(graph_module: fx.GraphModule) -> frozenset[str]:
                 written.add(base.get(value, value))
     return frozenset(n.name for n in graph_module.graph.nodes
                      if n.op == "call_function" and base.get(n, n) in written)
+
+
+def plan_key(signature: tuple, autocast: tuple, sharded: tuple | None = None) -> tuple:
+    """The key :class:`CapturedGraph` plans are cached under (see ``CapturedGraph.key``); ``sharded`` is the
+    signature of the model's ``fully_shard`` units, None without any."""
+    return (signature, autocast) if sharded is None else (signature, autocast, sharded)
 
 
 def input_signature(args: tuple, kwargs: dict) -> tuple:

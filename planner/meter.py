@@ -85,9 +85,21 @@ class LiveMemoryMeter(TorchDispatchMode):
     [('aten.ones.default', 'forward', 4000), ('aten.exp.default', 'forward', 8000), ('aten.ones.default', 'backward', 40)]
     >>> max(s.live_bytes for s in meter.samples) == meter.peak_bytes
     True
+
+    ``resizable`` returns tensors whose storage is grown and shrunk in place (``untyped_storage().resize_``, which
+    no op dispatch sees: FSDP2's unsharded parameters); their current size counts as live at every op.
+
+    >>> held = torch.empty(0)
+    >>> with LiveMemoryMeter(resizable=lambda: [held]) as meter:
+    ...     _ = held.untyped_storage().resize_(4000)
+    ...     y = torch.ones(10)
+    ...     _ = held.untyped_storage().resize_(0)
+    ...     z = torch.ones(10)
+    >>> meter.peak_bytes, meter.live_bytes
+    (4040, 80)
     """
 
-    def __init__(self, record: bool = False):
+    def __init__(self, record: bool = False, resizable: Callable[[], Iterable[torch.Tensor]] | None = None):
         super().__init__()
         self.live_bytes = 0
         self.peak_bytes = 0
@@ -95,6 +107,9 @@ class LiveMemoryMeter(TorchDispatchMode):
         self.record = record
         self.samples: list[Sample] = []
         self._refs: dict[int, weakref.ref] = {}
+        self._sizes: dict[int, int] = {}
+        self._resizable = resizable
+        self._resized_bytes = 0  # the resizable storages' bytes, as last counted into live_bytes
 
     def mark(self, label: str) -> None:
         """Start a new segment (for example, the forward of one stage)."""
@@ -102,15 +117,34 @@ class LiveMemoryMeter(TorchDispatchMode):
 
     def _release(self, key: int, nbytes: int) -> None:
         if self._refs.pop(key, None) is not None:
+            self._sizes.pop(key, None)
             self.live_bytes -= nbytes
 
-    def _track(self, storage: torch.UntypedStorage) -> None:
+    def _track(self, storage: torch.UntypedStorage, skip: set[int]) -> None:
         key = id(storage)
-        if key in self._refs:
+        if key in self._refs or key in skip:
             return
         nbytes = storage.nbytes()
+        self._sizes[key] = nbytes
         self._refs[key] = weakref.ref(storage, lambda _r, k=key, n=nbytes: self._release(k, n))
         self.live_bytes += nbytes
+        self._note_peak()
+
+    def _count_resizable(self) -> set[int]:
+        """Count the resizable storages at their size now; forget any this meter tracked as an allocation."""
+        if self._resizable is None:
+            return set()
+        storages = {id(t.untyped_storage()): t.untyped_storage().nbytes() for t in self._resizable()}
+        for key in storages.keys() & self._refs.keys():
+            self._refs.pop(key)
+            self.live_bytes -= self._sizes.pop(key)
+        now = sum(storages.values())
+        self.live_bytes += now - self._resized_bytes
+        self._resized_bytes = now
+        self._note_peak()
+        return set(storages)
+
+    def _note_peak(self) -> None:
         if self.live_bytes > self.peak_bytes:
             self.peak_bytes = self.live_bytes
         if self.segments and self.live_bytes > self.segments[-1].peak_bytes:
@@ -118,12 +152,13 @@ class LiveMemoryMeter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        resizable = self._count_resizable()
         inputs = {id(t.untyped_storage()) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
                 storage = t.untyped_storage()
                 if id(storage) not in inputs and storage.nbytes() > 0:
-                    self._track(storage)
+                    self._track(storage, resizable)
         if self.record:
             self.samples.append(Sample(str(func), len(self.segments) - 1, self.live_bytes))
         return out

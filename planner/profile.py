@@ -370,13 +370,15 @@ def default_loss(outputs: Any) -> torch.Tensor:
 def measure_stages(captured: CapturedGraph, stage_of: dict[str, int], num_stages: int, *,
                    loss_fn: Callable[[Any], torch.Tensor] | None = None, repeats: int = 3,
                    hold_outputs: bool = True, stopwatch: Stopwatch | None = None,
-                   kernels: Kernels | None = None) -> StageMeasurement:
+                   kernels: Kernels | None = None,
+                   resizable: Callable[[], Sequence[torch.Tensor]] | None = None) -> StageMeasurement:
     """Run eager training steps of the captured graph with stage markers; measure memory once and time ``repeats``.
 
     ``hold_outputs``: whether the model's outputs stay referenced through the backward, as in
     ``out = model(x); out.loss.backward()`` (``loss_fn(model(x)).backward()`` lets them go).
     ``stopwatch`` and ``kernels``: as for :func:`profile_graph`. On CUDA tensors the metered step also reads the
-    caching allocator's peak (``torch.cuda.max_memory_allocated``) and what it reserves.
+    caching allocator's peak (``torch.cuda.max_memory_allocated``) and what it reserves. ``resizable``: storages
+    grown in place that the meter counts too (see :class:`~planner.meter.LiveMemoryMeter`).
     """
     gm = captured.graph_module
     flat = flat_call_args(captured, captured.example_args, captured.example_kwargs)
@@ -398,12 +400,12 @@ def measure_stages(captured: CapturedGraph, stage_of: dict[str, int], num_stages
 
     on_cuda = any(t.is_cuda for t in list(gm.parameters()) + [x for x in flat if isinstance(x, torch.Tensor)])
     with preserved_training_state(gm):
-        return _measure(one_step, num_stages, repeats, stopwatch or WallStopwatch(), on_cuda)
+        return _measure(one_step, num_stages, repeats, stopwatch or WallStopwatch(), on_cuda, resizable)
 
 
 def _measure(one_step, num_stages: int, repeats: int, stopwatch: Stopwatch,
-             on_cuda: bool = False) -> StageMeasurement:
-    meter = LiveMemoryMeter()
+             on_cuda: bool = False, resizable=None) -> StageMeasurement:
+    meter = LiveMemoryMeter(resizable=resizable)
     if on_cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
