@@ -1,11 +1,14 @@
 """From a profiled graph to a :class:`~planner.problem.Problem`: stages, tensors, recompute options, calibration.
 
 * Stages follow the model's own structure: one per repeated block (``transformer.h.3``, ``blocks.7``) and one per
-  run of other modules, with light runs (embeddings, masks, views) merged into their neighbours.
+  run of other modules, with light runs (embeddings, masks, views) merged into their neighbours, except the tail
+  after the last block (``model.norm+lm_head``: final norm, head, loss), which is a stage of its own. No stage
+  boundary falls between a value and an in-place op that writes it.
 * Tensors are storages that outlive the node that made them; their readers and savers are stages.
 * Recompute options are selective-checkpoint menus per stage: recompute everything, or cache the nodes that cost the
   most time per byte (matmuls and attention first), in growing shares of the stage's cacheable bytes. Random ops
-  (dropout) are never cached, so a recomputation draws the same random numbers in the same order.
+  (dropout) are never cached, so a recomputation draws the same random numbers in the same order. A stage that
+  makes one of the model's outputs is only recomputed whole (see ``_stages_making_outputs``).
 * Workspaces are calibrated: the memory a stage's forward or backward measured in an eager step, beyond what the
   execution model accounts for (activation gradients, temporaries). The backward peak is calibrated twice, seen
   from the stage's start (all it saved alive) and from its end (only what outlives it): the model then
@@ -47,7 +50,11 @@ class StageSpec:
 
 
 def _block_container(paths: Sequence[str]) -> str | None:
-    """The module path whose numbered children ("h.0", "h.1", ...) run the most nodes: the repeated blocks."""
+    """The module path whose numbered children ("h.0", "h.1", ...) run the most nodes: the repeated blocks.
+
+    Most nodes first, then most children: the numbered layers inside one block (``blocks.0.layers.0 .. 4``)
+    may outnumber the blocks (``blocks.0 .. 3``) but never run more nodes than all the blocks together.
+    """
     counts: Counter[str] = Counter()
     children: dict[str, set[str]] = {}
     for path in paths:
@@ -60,7 +67,7 @@ def _block_container(paths: Sequence[str]) -> str | None:
     candidates = [p for p, kids in children.items() if len(kids) >= 2]
     if not candidates:
         return None
-    return max(candidates, key=lambda p: (len(children[p]), counts[p]))
+    return max(candidates, key=lambda p: (counts[p], len(children[p])))
 
 
 def _key(path: str, depth: int) -> str:
@@ -83,7 +90,9 @@ def _weight(run: Sequence[NodeProfile]) -> int:
 
 
 def partition_stages(profile: GraphProfile, *, max_stages: int = 64, min_share: float = 0.25) -> list[StageSpec]:
-    """Group nodes into stages: one per repeated block, light runs merged into neighbours, at most ``max_stages``."""
+    """Group nodes into stages: one per repeated block, light runs merged into neighbours, the tail after the last
+    block a stage of its own (see :func:`_tail_start`), no cut between a value and an in-place write to it (see
+    :func:`_respect_in_place_writes`), at most ``max_stages``."""
     nodes = list(profile.nodes)
     container = _block_container([n.module_path for n in nodes])
     if container is not None:
@@ -92,20 +101,18 @@ def partition_stages(profile: GraphProfile, *, max_stages: int = 64, min_share: 
         depth = max(range(1, 8), key=lambda d: min(len(_runs(nodes, d)), max_stages))
     runs = _runs(nodes, depth)
     block_pattern = re.compile(rf"^{re.escape(container)}\.\d+$") if container else None
-    blocks = [r for r in runs if block_pattern is not None and block_pattern.match(_key(r[0].module_path, depth))]
-    weights = sorted(_weight(r) for r in (blocks or runs))
+    is_block = [block_pattern is not None and bool(block_pattern.match(_key(r[0].module_path, depth))) for r in runs]
+    weights = sorted(_weight(r) for r, block in zip(runs, is_block) if block or not any(is_block))
     typical = weights[len(weights) // 2] if weights else 0.0
+    tail = _tail_start(runs, is_block)
 
-    def is_light(run: list[NodeProfile]) -> bool:
-        key = _key(run[0].module_path, depth)
-        if block_pattern is not None and block_pattern.match(key):
-            return False
-        return _weight(run) < min_share * typical
+    def is_light(i: int) -> bool:
+        return not is_block[i] and i != tail and _weight(runs[i]) < min_share * typical
 
     merged: list[list[NodeProfile]] = []
     pending: list[NodeProfile] = []
-    for run in runs:
-        if is_light(run):
+    for i, run in enumerate(runs):
+        if is_light(i):
             if merged:
                 merged[-1].extend(run)
             else:
@@ -115,8 +122,21 @@ def partition_stages(profile: GraphProfile, *, max_stages: int = 64, min_share: 
             pending = []
     if pending:
         merged.append(pending)
-    merged = _merge_lightest_pairs(merged, max_stages)
-    return [StageSpec(_stage_name(run, depth), tuple(n.name for n in run)) for run in merged]
+    tail_nodes = {n.name for run in runs[tail:] for n in run} if tail is not None else set()
+    merged = _merge_lightest_pairs(_respect_in_place_writes(merged), max_stages)
+    return [StageSpec(_tail_name(run, depth) if run[-1].name in tail_nodes and run[0].name in tail_nodes
+                      else _stage_name(run, depth), tuple(n.name for n in run)) for run in merged]
+
+
+def _tail_start(runs: Sequence[Sequence[NodeProfile]], is_block: Sequence[bool]) -> int | None:
+    """The first run after the last repeated block, when what follows the blocks allocates memory (a final norm,
+    a head, a loss): it starts a stage of its own, so a plan can recompute the last block and keep the head's
+    tensors, as checkpointing every block does. Views and reshapes alone stay with the last block."""
+    if not any(is_block):
+        return None
+    start = max(i for i, block in enumerate(is_block) if block) + 1
+    allocates = any(n.created_bytes for run in runs[start:] for n in run)
+    return start if allocates else None
 
 
 def _merge_lightest_pairs(runs: list[list[NodeProfile]], max_stages: int) -> list[list[NodeProfile]]:
@@ -153,6 +173,71 @@ def _stage_name(run: Sequence[NodeProfile], depth: int) -> str:
     keys = Counter(_key(n.module_path, depth) for n in run)
     heaviest = max(keys, key=lambda k: _weight([n for n in run if _key(n.module_path, depth) == k]))
     return heaviest or "<root>"
+
+
+def _tail_name(run: Sequence[NodeProfile], depth: int) -> str:
+    """The tail stage by its modules in order (``model.norm+lm_head``), or their common path
+    (``cls.predictions``); modules that hold another of them (``transformer`` of ``transformer.ln_f``) are left out.
+
+    >>> profile = lambda path: NodeProfile("n", path, 0.0, 0, (), frozenset(), frozenset(), frozenset(), False)
+    >>> _tail_name([profile(p) for p in ("model.norm", "", "lm_head", "")], 3)
+    'model.norm+lm_head'
+    >>> _tail_name([profile(p) for p in ("cls.predictions.transform.dense", "cls.predictions.decoder")], 4)
+    'cls.predictions'
+    """
+    keys = list(dict.fromkeys(_key(n.module_path, depth) for n in run if n.module_path))
+    common = _common_path(keys)
+    if common or not keys:
+        return common or "<root>"
+    innermost = [k for k in keys if not any(other.startswith(k + ".") for other in keys)]
+    return "+".join(innermost[:3]) + ("+..." if len(innermost) > 3 else "")
+
+
+def _common_path(paths: Sequence[str]) -> str:
+    """The longest dotted path every one of ``paths`` is in ("" when none)."""
+    split = [p.split(".") for p in paths]
+    common = []
+    for parts in zip(*split):
+        if len(set(parts)) > 1:
+            break
+        common.append(parts[0])
+    return ".".join(common)
+
+
+_IN_PLACE_NAME = re.compile(r".*[a-z0-9]_(_\d+)?")
+
+
+def _writes_in_place(node: NodeProfile) -> bool:
+    """Whether ``node`` is an in-place ATen op (``relu_``, ``add__3``: ATen names them with a trailing underscore,
+    and FX numbers repeats ``_1``, ``_2``) that allocates nothing and returns what it wrote."""
+    return node.output_is_view and not node.created and _IN_PLACE_NAME.fullmatch(node.name) is not None
+
+
+def _respect_in_place_writes(stages: list[list[NodeProfile]]) -> list[list[NodeProfile]]:
+    """Stages moved so that an in-place op runs in the stage that made what it reads (``h.relu_()`` on a block's
+    output joins that block): a stage that wrote an earlier stage's tensor in place could be measured only through
+    views of it, and recomputed it would write it again. A cut that would fall between a value and a write to it
+    moves to just after the write (the write and what precedes it join the earlier stage), or goes. The profile
+    does not say which input an op writes, so every tensor it reads counts."""
+    nodes = [n for stage in stages for n in stage]
+    made_at = {record.key: i for i, n in enumerate(nodes) for record in n.created}
+    reach = list(range(len(nodes)))  # reach[i]: no cut may fall in (reach[i], i]
+    for i, n in enumerate(nodes):
+        if _writes_in_place(n):
+            reach[i] = min([i] + [made_at[k] for k in n.reads if k in made_at])
+    earliest_after = reach[:]  # earliest_after[i] = min(reach[i:])
+    for i in range(len(nodes) - 2, -1, -1):
+        earliest_after[i] = min(earliest_after[i], earliest_after[i + 1])
+    cuts, position = [], 0
+    for stage in stages[:-1]:
+        position += len(stage)
+        cut = position
+        while cut < len(nodes) and earliest_after[cut] < cut:
+            cut += 1
+        if cut < len(nodes) and (not cuts or cut > cuts[-1]):
+            cuts.append(cut)
+    bounds = [0, *cuts, len(nodes)]
+    return [nodes[a:b] for a, b in zip(bounds, bounds[1:])]
 
 
 def is_random(node: fx.Node) -> bool:
@@ -237,13 +322,22 @@ def build_problem(profile: GraphProfile, stages: Sequence[StageSpec], *, random_
         for record in n.created:
             if n.in_backward and record.requires_grad and readers.get(record.key, set()) - {stage_of[n.name]}:
                 output_grads[stage_of[n.name]] += record.nbytes
+    makes_output = _stages_making_outputs(profile, stage_of)
     built = []
     for i, spec in enumerate(stages):
         nodes = [by_name[x] for x in spec.nodes]
+        options = recompute_options(nodes, random_nodes)
         built.append(Stage(spec.name, forward_seconds=sum(n.seconds for n in nodes), backward_seconds=0.0,
                            grad_bytes=grads[i], output_grad_bytes=output_grads[i],
-                           options=recompute_options(nodes, random_nodes)))
+                           options=options[:1] if i in makes_output else options))
     return Problem(tuple(built), tuple(tensors), profile.fixed_bytes + extra_fixed_bytes, name)
+
+
+def _stages_making_outputs(profile: GraphProfile, stage_of: dict[str, int]) -> set[int]:
+    """Stages that allocate one of the model's outputs: they are recomputed whole or not at all. A region that caches
+    runs its recomputation to its end (so it consumes every cached value), which makes the output again beside the
+    one the caller holds, a copy the execution model does not count; one that caches nothing stops early."""
+    return {stage_of[n.name] for n in profile.nodes if any(r.key in profile.output_keys for r in n.created)}
 
 
 def calibrate(problem: Problem, measured: StageMeasurement) -> Problem:

@@ -9,7 +9,9 @@ selective-checkpoint policy. The top-level graph calls ``self.region_<i>(...)`` 
 Exactness: checkpoint restores the CPU/CUDA RNG and autocast state for the recomputation, random ops are never
 cached (so the recomputation draws the same numbers in the same order), BatchNorm runs with momentum 0 while
 recomputing (``running * 1 + batch * 0`` is the running value exactly) and in-place buffer updates such as
-``num_batches_tracked += 1`` are hoisted out of regions, so BatchNorm statistics move exactly once per step.
+``num_batches_tracked += 1`` are hoisted out of regions, so BatchNorm statistics move exactly once per step. So is
+an in-place write a region would make to one of its inputs (``h.relu_()`` on the stage before's output, where stage
+lists cut there): it runs once, just before the region, which then starts from the written value.
 """
 
 from __future__ import annotations
@@ -18,12 +20,13 @@ import copy
 import operator
 import threading
 from contextlib import contextmanager, nullcontext
-from typing import Any, Iterator, Sequence
+from typing import AbstractSet, Any, Iterator, Sequence
 
 import torch
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from .errors import PlannerError
 from .plan import Plan, PlannedRegion
 
 _STATE = threading.local()
@@ -111,16 +114,53 @@ class CheckpointRegion(torch.nn.Module):
         return f"stages=[{span}], cached_nodes={len(self.cached_nodes)}"
 
 
+def _written_arguments(node: fx.Node) -> list[Any]:
+    """What ``node`` writes in place (``relu_``'s input, ``add_``'s first argument); empty for pure ops."""
+    schema = getattr(node.target, "_schema", None)
+    if schema is None or not schema.is_mutable:
+        return []
+    return [node.args[i] if i < len(node.args) else node.kwargs.get(a.name)
+            for i, a in enumerate(schema.arguments) if a.alias_info is not None and a.alias_info.is_write]
+
+
 def _is_hoisted(node: fx.Node) -> bool:
     """In-place updates of buffers or inputs (``num_batches_tracked.add_(1)``, ``self.steps += 1``) and other
     mutations nothing reads: run once, outside regions, as the recomputation must not repeat them."""
-    target = node.target
-    schema = getattr(target, "_schema", None)
-    if schema is None or not schema.is_mutable or target is torch.ops.aten.batch_norm.default:
+    written = _written_arguments(node)
+    if not written or node.target is torch.ops.aten.batch_norm.default:
         return False
-    written = [node.args[i] if i < len(node.args) else node.kwargs.get(a.name)
-               for i, a in enumerate(schema.arguments) if a.alias_info is not None and a.alias_info.is_write]
     return not node.users or any(isinstance(w, fx.Node) and w.op in ("get_attr", "placeholder") for w in written)
+
+
+def _alias_base(node: fx.Node) -> fx.Node:
+    """The node whose storage ``node`` shares through views and in-place ops (``h`` for ``h.view(...)``)."""
+    while node.op == "call_function" and node.args and isinstance(node.args[0], fx.Node) \
+            and _returns_view(node.target):
+        node = node.args[0]
+    return node
+
+
+def _writes_outside(node: fx.Node, inside: AbstractSet[fx.Node]) -> list[fx.Node]:
+    """The values made before the region that ``node`` writes in place, directly or through a view."""
+    return [w for w in _written_arguments(node) if isinstance(w, fx.Node) and _alias_base(w) not in inside]
+
+
+def _writes_region_input(node: fx.Node, inside: AbstractSet[fx.Node], bases_read: set[fx.Node]) -> bool:
+    """Whether ``node`` writes in place a value made before the region (``h.relu_()`` on an earlier stage's
+    output), needs nothing the region made, and comes before any region node reads that value or a view of it.
+    Inside, the recomputation would write it again; run just before the region, it runs once, and the region's
+    forward and recomputation both see the written value, as eager's later nodes do. Raises
+    :class:`PlannerError` for a write to such a value that cannot move (it would change what the region computes).
+    """
+    written = _writes_outside(node, inside)
+    if not written or node.target is torch.ops.aten.batch_norm.default:
+        return False
+    if inside.isdisjoint(node.all_input_nodes) and bases_read.isdisjoint(_alias_base(w) for w in written):
+        return True
+    raise PlannerError(f"a checkpoint region would write {written[0].name} in place ({node.name}), a value made "
+                       f"before it, after reading it: its recomputation would write it twice",
+                       hint="use stages from planner's own partition, which never cut between a value and an "
+                            "in-place write to it")
 
 
 def _copy_ahead(node: fx.Node, new: fx.Graph, env: dict[fx.Node, fx.Node]) -> None:
@@ -131,9 +171,23 @@ def _copy_ahead(node: fx.Node, new: fx.Graph, env: dict[fx.Node, fx.Node]) -> No
     env[node] = new.node_copy(node, lambda y: env[y])
 
 
-def _region_nodes(graph: fx.Graph, stage_nodes: Sequence[Sequence[str]], region: PlannedRegion) -> list[fx.Node]:
+def _region_nodes(graph: fx.Graph, stage_nodes: Sequence[Sequence[str]],
+                  region: PlannedRegion) -> tuple[list[fx.Node], list[fx.Node]]:
+    """The nodes the region runs, and the nodes of its stages that run outside it, before it
+    (:func:`_is_hoisted`, :func:`_writes_region_input`)."""
     names = {name for k in range(region.start, region.stop) for name in stage_nodes[k]}
-    return [n for n in graph.nodes if n.name in names and not _is_hoisted(n)]
+    inside: dict[fx.Node, None] = {}  # ordered
+    bases_read: set[fx.Node] = set()
+    hoisted: list[fx.Node] = []
+    for n in graph.nodes:
+        if n.name not in names:
+            continue
+        if _is_hoisted(n) or _writes_region_input(n, inside.keys(), bases_read):
+            hoisted.append(n)
+        else:
+            inside[n] = None
+            bases_read.update(_alias_base(src) for src in n.all_input_nodes)
+    return list(inside), hoisted
 
 
 def _build_body(nodes: list[fx.Node], cached: set[str]) -> tuple[fx.GraphModule, list[fx.Node], list[fx.Node]]:
@@ -162,8 +216,12 @@ def _build_body(nodes: list[fx.Node], cached: set[str]) -> tuple[fx.GraphModule,
 def apply_plan(graph_module: fx.GraphModule, plan: Plan) -> fx.GraphModule:
     """A new ``GraphModule`` that runs ``plan`` on ``graph_module``'s graph and shares its parameters and buffers."""
     old = graph_module.graph
-    regions = [(i, r, _region_nodes(old, plan.stage_nodes, r)) for i, r in enumerate(plan.regions)]
-    regions = [(i, r, nodes) for i, r, nodes in regions if nodes]
+    regions, hoisted = [], set()
+    for i, region in enumerate(plan.regions):
+        nodes, outside = _region_nodes(old, plan.stage_nodes, region)
+        hoisted.update(outside)
+        if nodes:
+            regions.append((i, region, nodes))
     first_of = {nodes[0]: (i, r, nodes) for i, r, nodes in regions}
     skipped = {n for _, _, nodes in regions for n in nodes}
     new = fx.Graph()
@@ -175,7 +233,7 @@ def apply_plan(graph_module: fx.GraphModule, plan: Plan) -> fx.GraphModule:
             i, region, nodes = first_of[n]
             body, inputs, outputs = _build_body(nodes, set(region.cached_nodes))
             for x in inputs:  # attributes (subgraphs of no_grad blocks) and hoisted updates the region reads
-                if x not in env and (x.op == "get_attr" or _is_hoisted(x)):
+                if x not in env and (x.op == "get_attr" or x in hoisted):
                     _copy_ahead(x, new, env)
             name = f"region_{i}"
             setattr(holder, name, CheckpointRegion(body, plan.stage_names[region.start:region.stop],

@@ -38,9 +38,75 @@ def tower():
 def test_stages_follow_the_repeated_blocks(tower):
     _, _, _, profile = tower
     stages = partition_stages(profile)
-    assert [s.name for s in stages] == [f"blocks.{i}" for i in range(4)]  # stem and head are light: merged
+    # the light stem joins the first block; the tail (the last residual add and the head) is a stage of its own
+    assert [s.name for s in stages] == [f"blocks.{i}" for i in range(4)] + ["head"]
     assert sum(len(s.nodes) for s in stages) == len(profile.nodes)
     assert len(partition_stages(profile, max_stages=2)) == 2
+
+
+class Tail(torch.nn.Module):
+    """Three blocks, then what follows them: an in-place relu on the last block's output and a head, or a view."""
+
+    def __init__(self, tail: str):
+        super().__init__()
+        self.tail = tail
+        self.blocks = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(),
+                                                              torch.nn.Linear(64, 16)) for _ in range(3))
+        self.head = torch.nn.Linear(16, 4)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        if self.tail == "view":
+            return x.view(-1)
+        x.relu_()
+        return self.head(x)
+
+
+def _stages_of(model, x):
+    captured = capture(model, (x,))
+    profile = profile_graph(captured, repeats=1)
+    return captured, partition_stages(profile)
+
+
+def test_an_in_place_write_stays_with_the_value_it_writes_and_the_head_is_a_stage_of_its_own():
+    torch.manual_seed(0)
+    model, x = Tail("relu_head"), torch.randn(64, 16)
+    captured, stages = _stages_of(model, x)
+    assert [s.name for s in stages] == ["blocks.0", "blocks.1", "blocks.2", "head"]
+    assert stages[2].nodes[-2:] == ("linear_5", "relu_")  # not the head's first node: its stage would write
+    stage_of = {node: k for k, s in enumerate(stages) for node in s.nodes}  # blocks.2's output in place
+    loss_fn = lambda out: out.pow(2).mean()  # noqa: E731
+    measured = measure_stages(captured, stage_of, len(stages), loss_fn=loss_fn, repeats=1)  # marks stage inputs
+    assert len(measured.backward_peak) == 4
+
+
+def test_a_tail_of_views_alone_stays_with_the_last_block():
+    torch.manual_seed(0)
+    _, stages = _stages_of(Tail("view"), torch.randn(64, 16))
+    assert [s.name for s in stages] == ["blocks.0", "blocks.1", "blocks.2"]
+
+
+def test_the_blocks_are_the_repeated_modules_even_when_one_block_has_more_numbered_layers():
+    """Four LargeBlocks of five numbered layers each: ``blocks.0.layers`` has more children than ``blocks``."""
+    from examples.largeblock import CheckpointedModel
+
+    torch.manual_seed(0)
+    _, stages = _stages_of(CheckpointedModel(32, 4), torch.randn(128, 32))
+    assert [s.name for s in stages] == [f"blocks.{i}" for i in range(4)]
+
+
+@pytest.mark.parametrize("name, tail", [("llama", "model.norm+lm_head"), ("bert", "cls.predictions"),
+                                        ("gpt2", "transformer.ln_f+lm_head")])
+def test_transformers_get_their_final_norm_head_and_loss_as_a_stage_of_their_own(name, tail):
+    """So a plan can recompute the last block and keep the head's tensors, as checkpointing every block does."""
+    from examples.common import build_example
+
+    example = build_example(name, size="test")
+    profile = profile_graph(capture(example.model, example.example_inputs, example.example_kwargs), repeats=1)
+    stages = partition_stages(profile)
+    assert [s.name for s in stages][-1] == tail and len(stages) == len(example.blocks()) + 1
+    assert len(stages[-2].nodes) == len(stages[-3].nodes)  # the last block runs what the ones before it run
 
 
 def test_random_nodes_are_never_cached(tower):

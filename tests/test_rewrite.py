@@ -5,7 +5,8 @@ import torch
 
 from planner.api import pose_problem
 from planner.capture import capture
-from planner.plan import Plan, SolverStatus
+from planner.errors import PlannerError
+from planner.plan import Plan, PlannedRegion, SolverStatus
 from planner.problem import Region, Schedule
 from planner.rewrite import CheckpointRegion, apply_plan
 from tests.helpers import assert_same_training, training_step
@@ -93,3 +94,66 @@ def test_store_all_plan_runs_the_graph_unchanged(convnet):
     assert "region" not in planned.code
     assert_same_training(training_step(model, _loss(x), (x,)), training_step(planned, _loss(x), (x,), owner=model),
                          atol=0)
+
+
+class MutatedBetweenBlocks(torch.nn.Module):
+    """Two blocks; the second stage starts by writing the first block's output in place."""
+
+    def __init__(self, op):
+        super().__init__()
+        self.op = op
+        self.blocks = torch.nn.ModuleList(torch.nn.Sequential(
+            torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 8)) for _ in range(2))
+
+    def forward(self, x):
+        h = self.blocks[0](x)
+        getattr(h, self.op)(*(() if self.op == "relu_" else (1.0,)))
+        return self.blocks[1](h)
+
+
+@pytest.mark.parametrize("op", ["relu_", "add_"])
+@pytest.mark.parametrize("regions", [((0, 1),), ((1, 2),), ((0, 1), (1, 2)), ((0, 2),)],
+                         ids=["producer", "mutator", "both", "one"])
+def test_in_place_op_on_the_previous_stages_output_trains_exactly(op, regions):
+    """Stages cut right before the in-place op (as stage lists made elsewhere may): whichever side is recomputed,
+    the step matches eager bit for bit; a region that would write its own input has the write run before it."""
+    torch.manual_seed(0)
+    model = MutatedBetweenBlocks(op).train()
+    x = torch.randn(4, 8)
+    captured = capture(model, (x,))
+    names = [n.name for n in captured.compute_nodes()]
+    cut = names.index(op)
+    plan = Plan(("blocks.0", "blocks.1"), tuple(PlannedRegion(a, b) for a, b in regions), 0, 0, 0.0, 0.0, "test",
+                SolverStatus.HEURISTIC, stage_nodes=(tuple(names[:cut]), tuple(names[cut:])))
+    planned = apply_plan(captured.graph_module, plan)
+    eager = training_step(model, _loss(x), (x,))
+    assert_same_training(eager, training_step(planned, _loss(x), (x,), owner=model), atol=0)
+    for region in planned.children():
+        if isinstance(region, CheckpointRegion) and "blocks.0" not in region.stage_names:  # it writes its input
+            assert getattr(torch.ops.aten, op) not in {getattr(n.target, "overloadpacket", None)
+                                                       for n in region.body.graph.nodes}
+
+
+class ReadThenWritten(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(2))
+
+    def forward(self, x):
+        h = self.blocks[0](x)
+        y = h * 2
+        h.relu_()
+        return self.blocks[1](h) + y
+
+
+def test_a_region_that_reads_its_input_and_then_writes_it_in_place_is_refused():
+    """The write cannot run before the region (``h * 2`` must see ``h`` unwritten), and inside, the recomputation
+    would write it twice: a clear error instead of a wrong gradient or an autograd error in the backward."""
+    model, x = ReadThenWritten(), torch.randn(4, 8)
+    captured = capture(model, (x,))
+    names = [n.name for n in captured.compute_nodes()]
+    cut = names.index("mul")
+    plan = Plan(("blocks.0", "blocks.1"), (PlannedRegion(1, 2),), 0, 0, 0.0, 0.0, "test", SolverStatus.HEURISTIC,
+                stage_nodes=(tuple(names[:cut]), tuple(names[cut:])))
+    with pytest.raises(PlannerError, match="write linear in place"):
+        apply_plan(captured.graph_module, plan)
