@@ -10,9 +10,10 @@ import pytest
 
 from planner.errors import InfeasibleBudgetError
 from planner.plan import SolverStatus
-from planner.problem import Problem, Schedule, Stage, TensorInfo, simulate
+from planner.problem import Problem, Schedule, Stage, TensorInfo, recompute_seconds, simulate
 from planner.solvers import dp as dp_module
-from planner.solvers.dp import (_deepening, _Deepened, _relaxed_optimum, _repeats, _Search, _tables,
+from planner.solvers.dp import (_bound_unit, _deepening, _Deepened, _focused, _natural_unit, _options_of,
+                                _relaxed_optimum, _repeats, _Search, _tables, _unit, _within_budget,
                                 chain_relaxation, lower_bound, minimum_peak, relative_gap, solve_dp)
 from planner.solvers.ilp import solve_ilp
 from tests.solver_problems import (brute_force_best, brute_force_table, layered_chain, random_chain, random_dag,
@@ -189,6 +190,36 @@ def test_coarse_rounding_is_refined_until_the_gap_closes():
     assert coarse.gap > refined.gap
     assert refined.predicted_recompute_seconds <= coarse.predicted_recompute_seconds
     assert refined.lower_bound_seconds >= coarse.lower_bound_seconds
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_fitted_steps_keep_plans_within_budget_and_bounds_below_the_optimum(seed):
+    """Steps fitted to the program's byte counts (not a power of two) round plans' bytes up and bounds' down."""
+    problem = layered_chain(6, seed, unit=1_000_003)
+    loss = TensorInfo("loss", 1, 5, is_output=True)  # the sizes' gcd is 1: no step is exact
+    problem = Problem(problem.stages, problem.tensors + (loss,), problem.fixed_bytes)
+    budget = (simulate(problem, Schedule()).peak_bytes + minimum_peak(problem)) // 2
+    relaxed = chain_relaxation(problem)
+    assert _bound_unit(relaxed, budget, 50) != _unit(relaxed, budget, 50)[0]  # the fitted step is used
+    assert _natural_unit(problem, budget, 50)[0] % 1024  # so is the plan's
+    optimum = solve_ilp(problem, budget).predicted_recompute_seconds
+    assert lower_bound(problem, budget, buckets=50) <= optimum + 1e-12
+    plan = solve_dp(problem, budget, buckets=50, refinements=0, bound=False)
+    assert plan.predicted_peak_bytes <= budget and plan.predicted_recompute_seconds >= optimum - 1e-12
+
+
+@pytest.mark.parametrize("seed", [0, 2])
+def test_a_focused_search_finds_a_faster_plan_among_the_options_a_plan_uses(seed):
+    problem = layered_chain(14, seed, repeated=True)
+    budget = minimum_peak(problem) + (simulate(problem, Schedule()).peak_bytes - minimum_peak(problem)) // 3
+    single, _ = _within_budget(problem, _Search(budget, 2000, 64, longest_region=1))  # one-stage regions only
+    focused = _focused(problem, _Search(budget, 2000, 4), single)
+    assert focused is not None
+    assert recompute_seconds(problem, focused) < recompute_seconds(problem, single)
+    assert simulate(problem, focused).peak_bytes <= budget
+    used = {option for region in single.regions for option in _options_of(region)}
+    assert {option for region in focused.regions for option in _options_of(region)} <= used
+    assert _focused(problem, _Search(budget, 2000, 64), solve_dp(problem, budget).schedule) is None  # optimal
 
 
 def test_a_time_limit_returns_a_feasible_plan_and_progress_is_reported():

@@ -26,7 +26,9 @@ returned plan is checked with ``simulate``.
 
 Search: passes keep only partial plans within a ceiling on recompute seconds (growing until a pass's plan is
 within its ceiling, which proves it the program's optimum); a quick search with regions of at most
-``SHORT_REGIONS`` stages runs first, and later searches deepen the longest region step by step. Bound:
+``SHORT_REGIONS`` stages runs first, then a search with regions of any length over only the options its plan
+uses (:func:`_focused`), and later searches deepen the longest region step by step. Steps of memory are fitted
+to the byte counts the program rounds (:func:`_fitted_unit`, :func:`_bound_unit`). Bound:
 :func:`lower_bound` solves :func:`chain_relaxation` with byte counts rounded down and fronts never cut (past a
 limit, runs of points merge into their ideal point), so every plan carries a proven ``gap`` and
 ``lower_bound_seconds``; when the relaxation's optimal schedule fits the problem itself, it is the plan, proven
@@ -52,6 +54,7 @@ import dataclasses
 import math
 import time
 from dataclasses import dataclass
+from collections import Counter
 from functools import reduce
 from typing import Callable, NamedTuple
 
@@ -777,6 +780,19 @@ class _Ends:
 _ONE = np.zeros(1, dtype=np.int64)  # the members of a one-candidate batch
 
 
+def _stairs(times: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The H (and seconds) at which ``times`` is faster than at every lower H: the points no other beats, since
+    a lower H leaves every later event more room. Transitions from the others reach nothing better.
+
+    >>> held, fastest = _stairs(np.array([np.inf, 3.0, 3.0, 1.0, 2.0, 0.5]))
+    >>> held.tolist(), fastest.tolist()
+    ([1, 3, 5], [3.0, 1.0, 0.5])
+    """
+    before = np.concatenate(([np.inf], np.minimum.accumulate(times)[:-1]))
+    held = np.flatnonzero(times < before)
+    return held, times[held]
+
+
 class _Outer:
     """States ``(i, how stage i-1 ran, kind of segment at i)``, each an array over H (in units) of least seconds.
 
@@ -789,6 +805,7 @@ class _Outer:
         self.times: dict[tuple[int, int, str], np.ndarray] = {}
         self.incoming: dict[tuple[int, int, str], list[tuple[_Batch, np.ndarray]]] = {}  # with its members
         self.lowest: dict[tuple[int, int, str], int] = {}  # first reachable H of each source state
+        self.stairs: dict[tuple[int, int, str], tuple[np.ndarray, np.ndarray]] = {}  # see _stairs
         for kind in KINDS:
             self._state((0, NO_STAGE, kind))[0] = 0.0
 
@@ -824,24 +841,22 @@ class _Outer:
             return
         useful = keep[_unbeaten(ends.last[keep] * (self.size + 1) + shift[keep], top[keep], ends.seconds[keep])]
         shift, top, last, seconds = shift[useful], top[useful], ends.last[useful], ends.seconds[useful]
-        reach, arrived = self.times[source], np.empty(self.size)
-        dests: dict[int, np.ndarray] = {}
-        for option, s, t, cost in zip(last.tolist(), shift.tolist(), top.tolist(), seconds.tolist()):
-            if option not in dests:
-                dests[option] = self._state((e + 1, option, kind))
-            width = t - lowest + 1  # from every reachable H up to t; t + s stays within the array
-            np.add(reach[lowest:t + 1], cost, out=arrived[:width])
-            window = dests[option][s + lowest:s + t + 1]
-            np.minimum(window, arrived[:width], out=window)
+        held, fastest = self.stairs[source]
         batch = _Batch(source, shift, top, seconds, ends.options, useful)
-        for option in dests:
-            self.incoming[(e + 1, option, kind)].append((batch, np.flatnonzero(last == option)))
+        for option in np.unique(last).tolist():
+            members = np.flatnonzero(last == option)
+            reaches = held[None, :] <= top[members, None]  # which of the source's points each region leaves room for
+            targets = (held[None, :] + shift[members, None])[reaches]
+            arrived = (fastest[None, :] + seconds[members, None])[reaches]
+            np.minimum.at(self._state((e + 1, option, kind)), targets, arrived)
+            self.incoming[(e + 1, option, kind)].append((batch, members))
 
     def sources(self, i: int) -> list[tuple[int, int, str]]:
         """The reachable states at position ``i`` (final once the program is there)."""
         keys = [key for key in self.times if key[0] == i and np.isfinite(self.times[key]).any()]
         for key in keys:
             self.lowest[key] = int(np.argmax(np.isfinite(self.times[key])))
+            self.stairs[key] = _stairs(self.times[key])
         return keys
 
     def best(self, n: int) -> tuple[tuple[int, int, str], int] | None:
@@ -999,9 +1014,10 @@ ROUNDING_SHARE = 0.002  # ... when the sizes' remainders are at most this share 
 
 
 def _natural_unit(problem: Problem, budget_bytes: int, buckets: int) -> tuple[int, bool]:
-    """:func:`_unit`, or a finer power of two when it rounds tensor sizes far less: Llama-7B's 86 MiB
-    activations are 43 steps of 2 MiB, but 10.75 of the 8 MiB that 2000 steps give, and rounding each region's
-    bytes up by most of a step made its plans 2.4% slower (0.02161 s against 0.02111 s at 2 MiB).
+    """:func:`_unit`, or a finer power of two when it rounds tensor sizes far less, then stretched to the step
+    that rounds the program's byte counts up the least (:func:`_fitted_unit`): Llama-7B's 86 MiB activations are
+    43 steps of 2 MiB, but 10.75 of the 8 MiB that 2000 steps give, and rounding each region's bytes up by most of
+    a step made its plans 2.4% slower (0.02161 s against 0.02111 s at 2 MiB).
 
     >>> from planner.problem import Problem, Stage, TensorInfo
     >>> tensors = (TensorInfo("x", 43 << 21, 0), TensorInfo("loss", 4, 0))
@@ -1016,9 +1032,83 @@ def _natural_unit(problem: Problem, budget_bytes: int, buckets: int) -> tuple[in
     finer = unit
     while not exact and span // finer <= NATURAL_STEPS * buckets:
         if sum(size % finer for size in sizes) <= limit:
-            return finer, all(size % finer == 0 for size in sizes)
+            unit, exact = finer, all(size % finer == 0 for size in sizes)
+            break
         finer //= 2
-    return unit, exact
+    return (unit, exact) if exact else (_fitted_unit(problem, unit), False)
+
+
+FITTED_VALUES = 256  # the most frequent byte counts a fitted step is judged on
+FITTED_SOURCES = 16  # ... and the most frequent ones it is fitted to
+
+
+def _decision_bytes(problem: Problem) -> tuple[np.ndarray, np.ndarray]:
+    """The byte counts the program rounds to steps, most frequent first, and how often each occurs: what each
+    stage caches with each option, and what a stored stage or a region's last stage leaves held."""
+    tables = _tables(problem, 1)
+    counts = Counter(v for sums in tables.sums for v in sums.cached if v > 0)
+    counts.update(v for p in tables.pending.values() for v in {p.own, p.own + p.held_by_next} if v > 0)
+    common = counts.most_common(FITTED_VALUES)
+    return np.array([v for v, _ in common], dtype=np.int64), np.array([c for _, c in common], dtype=np.int64)
+
+
+def _fitted_unit(problem: Problem, unit: int) -> int:
+    """The step from ``unit`` up to (not including) twice it that rounds :func:`_decision_bytes` up the least
+    (weighted by how often each occurs; ties: the longer step): a step slightly longer than a power of two can
+    hold a repeated block's bytes almost exactly. Llama-7B's blocks store 760.53 MiB, 762 MiB in steps of 2 MiB;
+    with steps of 2.012 MiB (the step chosen) its counts round up far less, and the plan search finds a plan 0.5%
+    faster (0.020974 s against 0.021074 s with the same options), which peaks 9 MiB under the budget.
+
+    >>> from planner.problem import Problem, Stage, TensorInfo
+    >>> stages = tuple(Stage(f"s{i}", 1.0, 2.0) for i in range(3))
+    >>> saved = tuple(TensorInfo(f"a{i}", 1030, i, savers=frozenset({i})) for i in range(3))
+    >>> _fitted_unit(Problem(stages, saved), 512)  # 1030 bytes: 3 steps of 512 (1536), 2 of 515
+    515
+    """
+    values, counts = _decision_bytes(problem)
+    if not len(values):
+        return unit
+    steps = _candidate_steps(values, unit, 2 * unit - 1, up=True)
+    losses = [int(((-values) % step * counts).sum()) for step in steps]
+    return steps[losses.index(min(losses))]
+
+
+def _bound_unit(problem: Problem, budget_bytes: int, buckets: int) -> int:
+    """The step of a bound's program: :func:`_unit`, or a step down to half of it that rounds
+    :func:`_decision_bytes` down less than half as much (weighted by how often each occurs). Rounded down, a
+    bound loses what every segment's bytes lose: Llama-7B's blocks cache 332 MiB with one option, 41.5 steps of
+    8 MiB, 83 of 4 MiB, and its bound at 4 MiB is 0.020869 s against 0.020688 s at 8 MiB, in about the same time
+    (22 s against 20 s within a plan's 0.020974 s).
+
+    >>> from planner.problem import Problem, Stage, TensorInfo
+    >>> stages = tuple(Stage(f"s{i}", 1.0, 2.0) for i in range(3))
+    >>> saved = tuple(TensorInfo(f"a{i}", 1534, i, savers=frozenset({i})) for i in range(3))
+    >>> problem = Problem(stages, saved + (TensorInfo("loss", 1, 2),))  # sizes' gcd 1: steps of a power of two
+    >>> _unit(problem, 1 << 20, 1000)[0], _bound_unit(problem, 1 << 20, 1000)  # 1534 bytes: 2 steps of 767
+    (1024, 767)
+    """
+    unit, exact = _unit(problem, budget_bytes, buckets)
+    if exact:
+        return unit
+    values, counts = _decision_bytes(problem)
+    if not len(values):
+        return unit
+    steps = _candidate_steps(values, max(1, unit // 2), unit, up=False)
+    losses = [int((values % step * counts).sum()) for step in steps]
+    best = steps[losses.index(min(losses))]
+    return best if 2 * min(losses) <= losses[steps.index(unit)] else unit
+
+
+def _candidate_steps(values: np.ndarray, low: int, high: int, up: bool) -> list[int]:
+    """Steps from ``low`` to ``high`` that hold one of the most frequent ``values`` in whole steps (rounding it
+    up, or down), with both ends; the longest first."""
+    steps = {low, high}
+    for value in values[:FITTED_SOURCES].tolist():
+        for count in range(max(1, value // high), value // low + 1):
+            step = -(-value // count) if up else value // count
+            if low <= step <= high:
+                steps.add(step)
+    return sorted(steps, reverse=True)
 
 
 FRONT_LIMIT = 256  # most Pareto points kept per inner state; fewer on long problems, see _front_limit
@@ -1137,9 +1227,11 @@ LONG_PROBLEM = 16  # stages from which a time-limited solve takes a rough bound,
 EARLY_SEARCH_SHARE = 0.4  # of the time left, what those better plans get before the bound: on Llama-7B a
 # 2.3% faster plan (0.02111 s) cut the bound's search at 2000 steps from about 45 s to 23 s
 EARLY_LONGEST = 8  # ... with regions of at most this many stages (longer searches rarely finish in that time)
+FOCUS_SHARE = 0.25  # of the time left, what a search over the options of a plan (_focused) may take
 FINE_BOUND_SHARE = 0.95  # of the time left, what the bound at the full steps gets (better plans, the rest)
-FINE_BOUND_COST = 15  # that bound takes about this many times the rough one (Llama-7B 10-17x, a 1k-op DAG
-# 21-29x); given less time, it merges fronts sooner (DAG: 24.5 s for 0.0489 s instead of 93 s for 0.0606 s)
+FINE_BOUND_COST = 15  # that bound takes about this many times the rough one (a 1k-op DAG 21-29x), less where
+# repeated blocks share their regions (see _fine_bound_cost; Llama-7B: 7-8x); given less time, it merges fronts
+# sooner (DAG: 16 s for 0.0503 s instead of 87 s for 0.0609 s)
 
 
 def _passes(problem: Problem, search: _Search, first_ceiling: float) -> tuple[Schedule | None, bool]:
@@ -1194,7 +1286,7 @@ def _relaxed_optimum(problem: Problem, budget_bytes: int, search: _Search,
     """:func:`lower_bound`, with the relaxation's optimal schedule (None when none is within ``ceiling``). When
     that schedule also fits ``problem``, it is optimal there: nothing is faster than the bound."""
     relaxed = chain_relaxation(problem)
-    unit, _ = _unit(relaxed, budget_bytes, search.buckets)
+    unit = _bound_unit(relaxed, budget_bytes, search.buckets)
     tables = _tables(relaxed, unit, optimistic=True)
     try:
         schedule, _ = _least_seconds(tables, budget_bytes, search.limit, ceiling, search)
@@ -1238,13 +1330,16 @@ def solve_dp(problem: Problem, budget_bytes: int, *, buckets: int = 2000, front_
     best plan found so far is returned (a baseline if none), with the gap when a bound finished; ``progress``
     receives a line per stage. ``bound=False`` skips the bound (gap None unless exact).
 
-    The order: a quick search with regions of at most ``SHORT_REGIONS`` stages gives a first plan (long,
-    time-limited problems then take a rough bound of ``ROUGH_BUCKETS`` steps, in case the time runs out, and
-    search for better plans with regions of up to ``EARLY_LONGEST`` stages within ``EARLY_SEARCH_SHARE`` of the
-    time left: a faster plan makes the bound's search far smaller); the bound's search follows, within the best
+    The order: a quick search with regions of at most ``SHORT_REGIONS`` stages gives a first plan, and a search
+    with regions of any length over the options that plan uses (:func:`_focused`, ``FOCUS_SHARE`` of the time
+    left) a better one (long, time-limited problems then take a rough bound of ``ROUGH_BUCKETS`` steps, in case
+    the time runs out, and, when the focused search found nothing, search for better plans with regions of up to
+    ``EARLY_LONGEST`` stages within ``EARLY_SEARCH_SHARE`` of the time left: a faster plan makes the bound's
+    search far smaller); the bound's search follows, within the best
     plan's seconds (merging fronts sooner when the time left looks too short for it), and when the relaxation's
     optimal schedule also fits the problem it is returned, proven optimal. Else searches within the best plan's
-    seconds go on deepening the longest region until any length is allowed. While the gap exceeds
+    seconds go on deepening the longest region until any length is allowed, each plan they find focused again.
+    While the gap exceeds
     ``target_gap`` (rounding to ``buckets`` steps of memory is what usually opens it), up to ``refinements``
     more rounds run with four times finer steps, keeping the best plan and bound.
     Raises :class:`~planner.errors.InfeasibleBudgetError` with the smallest achievable peak when no schedule fits.
@@ -1283,6 +1378,8 @@ def solve_dp(problem: Problem, budget_bytes: int, *, buckets: int = 2000, front_
             raise PlannerError(f"the dynamic program found no plan within its time limit of {time_limit:g}s",
                                hint="raise time_limit, or use solver='ilp'") from None
         return plan(schedule, None)
+    focused = None if exact else _focused(problem, _sharing(search, FOCUS_SHARE), schedule)
+    schedule = focused or schedule
     seconds = recompute_seconds(problem, schedule)
     lower = None
     longest: int | None = 2 * SHORT_REGIONS  # where the search for better plans goes on (None: done)
@@ -1293,10 +1390,11 @@ def solve_dp(problem: Problem, budget_bytes: int, *, buckets: int = 2000, front_
         lower = _relaxed_optimum(problem, budget_bytes, _bound_search(search, ROUGH_BUCKETS, 1 / 4, limit=ROUGH_FRONT),
                                  seconds * (1 + 1e-9))[0]
         rough_seconds = time.perf_counter() - rough_started
-        deepened = _deepening(problem, _sharing(search, EARLY_SEARCH_SHARE), seconds, up_to=EARLY_LONGEST)
-        exact, longest, level_seconds = deepened.exact, deepened.longest, deepened.level_seconds
-        if deepened.schedule is not None:
-            schedule, seconds = deepened.schedule, recompute_seconds(problem, deepened.schedule)
+        if focused is None:  # else the bound already searches within a plan that longer regions rarely beat
+            deepened = _deepening(problem, _sharing(search, EARLY_SEARCH_SHARE), seconds, up_to=EARLY_LONGEST)
+            exact, longest, level_seconds = deepened.exact, deepened.longest, deepened.level_seconds
+            if deepened.schedule is not None:
+                schedule, seconds = _refocused(problem, search, deepened.schedule)
     for round_ in range(refinements + 1):
         if exact or (bound and (relative_gap(seconds, lower) or 0.0) <= target_gap and lower is not None):
             break
@@ -1309,7 +1407,7 @@ def solve_dp(problem: Problem, budget_bytes: int, *, buckets: int = 2000, front_
         if bound:
             fronts = BOUND_FRONTS
             if deadline is not None and \
-                    FINE_BOUND_SHARE * (deadline - time.perf_counter()) < FINE_BOUND_COST * rough_seconds:
+                    FINE_BOUND_SHARE * (deadline - time.perf_counter()) < _fine_bound_cost(problem) * rough_seconds:
                 fronts = 1  # fronts merged four times sooner: about a quarter of the time, a looser bound
             found, relaxed_plan = _relaxed_optimum(problem, budget_bytes,
                                                    _bound_search(search, search.buckets, FINE_BOUND_SHARE, fronts),
@@ -1325,9 +1423,26 @@ def solve_dp(problem: Problem, budget_bytes: int, *, buckets: int = 2000, front_
             exact, longest, level_seconds = deepened.exact, deepened.longest, deepened.level_seconds
             if deepened.schedule is not None:
                 schedule, seconds = deepened.schedule, recompute_seconds(problem, deepened.schedule)
+                if not exact:
+                    schedule, seconds = _refocused(problem, search, schedule)
         if not bound or (deadline is not None and time.perf_counter() > deadline):
             break
     return plan(schedule, lower, exact)
+
+
+def _fine_bound_cost(problem: Problem) -> float:
+    """About how many times the rough bound's time the fine one takes: ``FINE_BOUND_COST``, down to half of it
+    as more of the relaxation's stages repeat an earlier one (their regions are solved once for all)."""
+    tables = _tables(chain_relaxation(problem), 1, optimistic=True)
+    signatures = [_signature(tables, k) for k in range(problem.num_stages)]
+    repeated = sum(1 for k, sig in enumerate(signatures) if sig is not None and signatures.index(sig) < k)
+    return FINE_BOUND_COST * (1 - repeated / max(1, problem.num_stages) / 2)
+
+
+def _refocused(problem: Problem, search: _Search, schedule: Schedule) -> tuple[Schedule, float]:
+    """``schedule``, or the faster plan :func:`_focused` finds from it, with its recompute seconds."""
+    schedule = _focused(problem, _sharing(search, FOCUS_SHARE), schedule) or schedule
+    return schedule, recompute_seconds(problem, schedule)
 
 
 def _higher_bound(bound: float | None, other: float | None) -> float | None:
@@ -1382,6 +1497,38 @@ def _deepening(problem: Problem, search: _Search, seconds: float, longest: int =
         if unlimited:
             return _Deepened(best, exact, None, level_seconds)
         longest *= 2
+
+
+def _focused(problem: Problem, search: _Search, schedule: Schedule) -> Schedule | None:
+    """A faster plan than ``schedule`` (which fits), searched with regions of any length but each stage's options
+    cut to those ``schedule`` uses anywhere; None when there is none (or the time runs out).
+
+    With fewer options the Pareto fronts stay within the front limit where the full search cuts them: on Llama-7B
+    the full search (regions of up to 8 blocks, 17 s) finds 0.021079 s, and the search over the three options
+    that plan uses finds 0.020974 s in 5 s, with an 11-block region."""
+    used = sorted({option for region in schedule.regions for option in _options_of(region)})
+    kept = [[o for o in used if o < len(stage.recompute_options)] or [0] for stage in problem.stages]
+    narrowed = dataclasses.replace(problem, stages=tuple(
+        dataclasses.replace(stage, options=tuple(stage.recompute_options[o] for o in options))
+        for stage, options in zip(problem.stages, kept)))
+    if _far_reaching(narrowed) > PINNED_LIMIT:
+        narrowed = chain_restriction(narrowed)
+    seconds = recompute_seconds(problem, schedule)
+    try:
+        found, _ = _passes(narrowed, dataclasses.replace(search, longest_region=None), seconds * (1 + 1e-9))
+    except SolverTimeout:
+        return None
+    if found is None:
+        return None
+    widened = Schedule(tuple(Region(r.start, r.stop, tuple(kept[k][o] for k, o in zip(r.stages, _options_of(r))))
+                             for r in found.regions))
+    if recompute_seconds(problem, widened) < seconds and simulate(problem, widened).peak_bytes <= search.budget:
+        return widened
+    return None
+
+
+def _options_of(region: Region) -> tuple[int, ...]:
+    return region.options or (0,) * (region.stop - region.start)
 
 
 def _sharing(search: _Search, share: float) -> _Search:
