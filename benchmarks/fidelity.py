@@ -1,15 +1,15 @@
 """How true is the cost model? Predicted against measured peak memory and step-time overhead.
 
 For each example model and several budgets (shares of the way from the smallest feasible peak to the eager peak),
-plan, run the planned module, and measure its peak with the live-storage meter and its step time with interleaved
-repeats (fastest of the repeats: load on the machine only adds time). Prints one table.
+plan, run the planned module, and measure its peak with the live-storage meter and its step time in interleaved
+rounds (the median over rounds of each round's ratio: drifts in the machine's speed cancel). Prints one table.
 
 The cost model predicts what recomputation adds to the captured graph's step, so the overhead it is held to is
 measured against that graph run without checkpoints ("vs graph"). The captured graph itself runs a few percent
 faster than the model as written (no module calls or hooks on the CPU), so the overhead a user sees against their
 own model ("vs model") is smaller still; both are printed.
 
-    python -m benchmarks.fidelity [--size test|demo] [--repeats 7] [models...]
+    python -m benchmarks.fidelity [--size test|demo] [--repeats 7] [--profile-repeats 3] [models...]
 """
 
 from __future__ import annotations
@@ -29,12 +29,29 @@ from planner.problem import Schedule, simulate
 POINTS = (0.0, 0.25, 0.5, 0.75, 1.0)
 
 
-def fastest_steps(example, modules: dict, repeats: int) -> dict[str, float]:
-    best = {name: float("inf") for name in modules}
-    for _ in range(repeats):
+def step_samples(example, modules: dict, repeats: int) -> dict[str, list[float]]:
+    """Seconds of each module's training step in ``repeats`` rounds, each round running every module once (after
+    one warm-up round), so that a round's times are taken under the same load."""
+    samples: dict[str, list[float]] = {name: [] for name in modules}
+    for round_ in range(repeats + 1):
         for name, module in modules.items():
-            best[name] = min(best[name], example.step_seconds(module))
-    return best
+            seconds = example.step_seconds(module)
+            if round_:
+                samples[name].append(seconds)
+    return samples
+
+
+def paired_overhead(samples: dict[str, list[float]], name: str, baseline: str) -> float:
+    """The median over rounds of ``name``'s step time over ``baseline``'s in the same round, less one: drifts in
+    the machine's speed between rounds cancel.
+
+    >>> paired_overhead({"plan": [1.2, 2.4, 1.3], "graph": [1.0, 2.0, 1.0]}, "plan", "graph")
+    0.2
+    """
+    ratios = sorted(a / b for a, b in zip(samples[name], samples[baseline]))
+    middle = len(ratios) // 2
+    ratio = ratios[middle] if len(ratios) % 2 else (ratios[middle - 1] + ratios[middle]) / 2
+    return round(ratio - 1, 12)
 
 
 @dataclass(frozen=True)
@@ -59,10 +76,11 @@ class FidelityRow:
         return self.predicted_overhead / self.overhead_vs_graph - 1
 
 
-def rows_for(name: str, size: str, repeats: int) -> list[FidelityRow]:
+def rows_for(name: str, size: str, repeats: int, profile_repeats: int = 3) -> list[FidelityRow]:
     example = build_example(name, size=size)
     captured = capture(example.model, example.example_inputs, example.example_kwargs)
-    problem, stage_nodes = pose_problem(captured, loss_fn=example.loss_fn, hold_outputs=False)
+    problem, stage_nodes = pose_problem(captured, loss_fn=example.loss_fn, hold_outputs=False,
+                                        profile_repeats=profile_repeats)
     eager_peak = simulate(problem, Schedule.store_all(problem.num_stages)).peak_bytes
     smallest = solvers.minimum_peak(problem)
     plans = {}
@@ -71,13 +89,13 @@ def rows_for(name: str, size: str, repeats: int) -> list[FidelityRow]:
         plans[f"{point:.0%}"] = plan
     modules = {"model": example.model, "graph": captured.graph_module,
                **{k: planned_module(captured, p, stage_nodes) for k, p in plans.items()}}
-    seconds = fastest_steps(example, modules, repeats)
+    samples = step_samples(example, modules, repeats)
     rows = []
     for key, plan in plans.items():
         peak, _ = example.measured_step(modules[key])
         rows.append(FidelityRow(name, key, plan.budget_bytes, plan.predicted_peak_bytes, peak,
-                                plan.predicted_overhead, seconds[key] / seconds["graph"] - 1,
-                                seconds[key] / seconds["model"] - 1))
+                                plan.predicted_overhead, paired_overhead(samples, key, "graph"),
+                                paired_overhead(samples, key, "model")))
     return rows
 
 
@@ -86,6 +104,7 @@ def main(argv=None) -> None:
     parser.add_argument("models", nargs="*", default=list(EXAMPLES))
     parser.add_argument("--size", default="test", choices=["test", "demo"])
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--profile-repeats", type=int, default=3, help="the planner's own timing repeats")
     args = parser.parse_args(argv)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, size {args.size}; budget points go from "
           f"the smallest feasible peak (0%) to the eager peak (100%)\n")
@@ -95,7 +114,7 @@ def main(argv=None) -> None:
     print("-" * len(header))
     worst_peak, worst_overhead = 0.0, 0.0
     for name in args.models:
-        for row in rows_for(name, args.size, args.repeats):
+        for row in rows_for(name, args.size, args.repeats, args.profile_repeats):
             worst_peak = max(worst_peak, abs(row.peak_error))
             if row.overhead_vs_graph > 0.05:
                 worst_overhead = max(worst_overhead, abs(row.overhead_error))

@@ -32,7 +32,7 @@ from .costmodel import add_checkpoint_overheads, build_problem, calibrate, is_ra
 from .errors import InfeasibleBudgetError, PlannerError
 from .plan import Plan, SolverStatus, budget_for_usable, usable_bytes
 from .problem import Problem, Region, Schedule, simulate
-from .profile import StageMeasurement, default_loss, measure_stages, fastest_step_seconds, preserved_training_state, profile_graph
+from .profile import StageMeasurement, default_loss, measure_stages, paired_step_seconds, preserved_training_state, profile_graph
 from .parts import PartialCaptureWarning, ReducedBudget, capturable_parts, parts_planned, record_calls
 from .rewrite import apply_plan
 from . import fsdp, solvers
@@ -223,18 +223,18 @@ def _calibrate_checkpoint_overheads(captured: CapturedGraph, problem: Problem, s
         return run
 
     with preserved_training_state(captured.graph_module):
-        seconds = fastest_step_seconds({name: step(m) for name, m in modules.items()}, repeats)
+        extra = paired_step_seconds({name: step(m) for name, m in modules.items()}, repeats, "eager")
     forward = [s.forward_seconds for s in problem.stages]
-    hooks_total = max(0.0, seconds["checkpoint"] - seconds["eager"] - sum(forward))
+    hooks_total = extra["checkpoint"] - sum(forward)  # negative when the nodes summed over-count the forward
     saved_counts = [sum(1 for t in problem.tensors if k in t.savers) for k in range(n)]
     hooks = spread(hooks_total, saved_counts)
     selective = [[0.0] * len(s.recompute_options) for s in problem.stages]
     for option in range(1, levels):
         members = [r.start for r in schedules[option].regions]
         predicted = sum(problem.stages[k].recompute_options[option].recompute_seconds + hooks[k] for k in members)
-        residual = seconds[option] - seconds["eager"] - predicted
-        for k, extra in zip(members, spread(residual, [len(stage_nodes[k]) for k in members])):
-            selective[k][option] = extra
+        residual = extra[option] - predicted
+        for k, share in zip(members, spread(residual, [len(stage_nodes[k]) for k in members])):
+            selective[k][option] = share
     return add_checkpoint_overheads(problem, hooks, selective)
 
 

@@ -21,6 +21,7 @@ True
 from __future__ import annotations
 
 from contextlib import contextmanager
+import statistics
 import time
 import weakref
 from dataclasses import dataclass
@@ -455,11 +456,15 @@ def _measure(one_step, num_stages: int, repeats: int, stopwatch: Stopwatch,
 
 
 
-def fastest_step_seconds(steps: dict[str, Callable[[], None]], repeats: int) -> dict[str, float]:
-    """Fastest seconds of each step function over ``repeats`` interleaved runs, after one warm-up run of each.
+def paired_step_seconds(steps: dict[str, Callable[[], None]], repeats: int, baseline: str) -> dict[str, float]:
+    """Seconds each step function takes beyond ``baseline``'s: the median over ``repeats`` interleaved rounds
+    (after one warm-up round) of the difference within each round, so that drifts in the machine's speed between
+    rounds cancel; ``baseline`` itself maps to its fastest run.
 
-    The minimum, not the median: other load on the machine only ever adds time, so the fastest run is the
-    closest to what the step costs, and differences between steps stay meaningful on a busy machine.
+    >>> steps = {"eager": lambda: None, "slow": lambda: time.sleep(0.002)}
+    >>> seconds = paired_step_seconds(steps, 3, "eager")
+    >>> seconds["eager"] < 0.001 < 0.0019 < seconds["slow"] < 0.05
+    True
     """
     samples: dict[str, list[float]] = {name: [] for name in steps}
     for round_ in range(repeats + 1):
@@ -468,4 +473,6 @@ def fastest_step_seconds(steps: dict[str, Callable[[], None]], repeats: int) -> 
             step()
             if round_:
                 samples[name].append(time.perf_counter() - start)
-    return {name: min(values) for name, values in samples.items()}
+    base = samples[baseline]
+    return {name: min(base) if name == baseline else statistics.median(a - b for a, b in zip(values, base))
+            for name, values in samples.items()}
