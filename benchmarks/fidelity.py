@@ -31,11 +31,13 @@ POINTS = (0.0, 0.25, 0.5, 0.75, 1.0)
 
 def step_samples(example, modules: dict, repeats: int) -> dict[str, list[float]]:
     """Seconds of each module's training step in ``repeats`` rounds, each round running every module once (after
-    one warm-up round), so that a round's times are taken under the same load."""
+    one warm-up round), so that a round's times are taken under the same load; each round starts one module later
+    than the last, so that no module always runs right after the same other one."""
     samples: dict[str, list[float]] = {name: [] for name in modules}
+    names = list(modules)
     for round_ in range(repeats + 1):
-        for name, module in modules.items():
-            seconds = example.step_seconds(module)
+        for name in names[round_ % len(names):] + names[:round_ % len(names)]:
+            seconds = example.step_seconds(modules[name])
             if round_:
                 samples[name].append(seconds)
     return samples
