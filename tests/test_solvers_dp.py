@@ -12,7 +12,7 @@ from planner.errors import InfeasibleBudgetError
 from planner.plan import SolverStatus
 from planner.problem import Problem, Schedule, Stage, TensorInfo, recompute_seconds, simulate
 from planner.solvers import dp as dp_module
-from planner.solvers.dp import (_bound_unit, _deepening, _Deepened, _focused, _natural_unit, _options_of,
+from planner.solvers.dp import (_bound_unit, _deepening, _Deepened, _focused, _natural_unit,
                                 _relaxed_optimum, _repeats, _Search, _tables, _unit, _within_budget,
                                 chain_relaxation, lower_bound, minimum_peak, relative_gap, solve_dp)
 from planner.solvers.ilp import solve_ilp
@@ -217,8 +217,8 @@ def test_a_focused_search_finds_a_faster_plan_among_the_options_a_plan_uses(seed
     assert focused is not None
     assert recompute_seconds(problem, focused) < recompute_seconds(problem, single)
     assert simulate(problem, focused).peak_bytes <= budget
-    used = {option for region in single.regions for option in _options_of(region)}
-    assert {option for region in focused.regions for option in _options_of(region)} <= used
+    used = {region.option_of(k) for region in single.regions for k in region.stages}
+    assert {region.option_of(k) for region in focused.regions for k in region.stages} <= used
     assert _focused(problem, _Search(budget, 2000, 64), solve_dp(problem, budget).schedule) is None  # optimal
 
 

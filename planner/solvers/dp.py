@@ -1506,7 +1506,7 @@ def _focused(problem: Problem, search: _Search, schedule: Schedule) -> Schedule 
     With fewer options the Pareto fronts stay within the front limit where the full search cuts them: on Llama-7B
     the full search (regions of up to 8 blocks, 17 s) finds 0.021079 s, and the search over the three options
     that plan uses finds 0.020974 s in 5 s, with an 11-block region."""
-    used = sorted({option for region in schedule.regions for option in _options_of(region)})
+    used = sorted({region.option_of(k) for region in schedule.regions for k in region.stages})
     kept = [[o for o in used if o < len(stage.recompute_options)] or [0] for stage in problem.stages]
     narrowed = dataclasses.replace(problem, stages=tuple(
         dataclasses.replace(stage, options=tuple(stage.recompute_options[o] for o in options))
@@ -1520,15 +1520,11 @@ def _focused(problem: Problem, search: _Search, schedule: Schedule) -> Schedule 
         return None
     if found is None:
         return None
-    widened = Schedule(tuple(Region(r.start, r.stop, tuple(kept[k][o] for k, o in zip(r.stages, _options_of(r))))
+    widened = Schedule(tuple(Region(r.start, r.stop, tuple(kept[k][r.option_of(k)] for k in r.stages))
                              for r in found.regions))
     if recompute_seconds(problem, widened) < seconds and simulate(problem, widened).peak_bytes <= search.budget:
         return widened
     return None
-
-
-def _options_of(region: Region) -> tuple[int, ...]:
-    return region.options or (0,) * (region.stop - region.start)
 
 
 def _sharing(search: _Search, share: float) -> _Search:
