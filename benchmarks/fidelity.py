@@ -15,6 +15,7 @@ own model ("vs model") is smaller still; both are printed.
 from __future__ import annotations
 
 import argparse
+import statistics
 from dataclasses import dataclass
 
 import torch
@@ -50,10 +51,7 @@ def paired_overhead(samples: dict[str, list[float]], name: str, baseline: str) -
     >>> paired_overhead({"plan": [1.2, 2.4, 1.3], "graph": [1.0, 2.0, 1.0]}, "plan", "graph")
     0.2
     """
-    ratios = sorted(a / b for a, b in zip(samples[name], samples[baseline]))
-    middle = len(ratios) // 2
-    ratio = ratios[middle] if len(ratios) % 2 else (ratios[middle - 1] + ratios[middle]) / 2
-    return round(ratio - 1, 12)
+    return round(statistics.median(a / b for a, b in zip(samples[name], samples[baseline])) - 1, 12)
 
 
 @dataclass(frozen=True)
