@@ -89,15 +89,18 @@ def mutated_nodes(graph_module: fx.GraphModule) -> frozenset[str]:
         first = n.args[0] if n.args and isinstance(n.args[0], fx.Node) else None
         if first is not None and _aliases_input(n):
             base[n] = base.get(first, first)
-        schema = getattr(n.target, "_schema", None)
-        if schema is None:
-            continue
-        for i, argument in enumerate(schema.arguments):
-            value = n.args[i] if i < len(n.args) else n.kwargs.get(argument.name)
-            if isinstance(value, fx.Node) and argument.alias_info is not None and argument.alias_info.is_write:
-                written.add(base.get(value, value))
+        written.update(base.get(value, value) for value in written_arguments(n) if isinstance(value, fx.Node))
     return frozenset(n.name for n in graph_module.graph.nodes
                      if n.op == "call_function" and base.get(n, n) in written)
+
+
+def written_arguments(node: fx.Node) -> list[Any]:
+    """What ``node`` writes in place (``relu_``'s input, ``add_``'s first argument); empty for pure ops."""
+    schema = getattr(node.target, "_schema", None)
+    if schema is None or not schema.is_mutable:
+        return []
+    return [node.args[i] if i < len(node.args) else node.kwargs.get(a.name)
+            for i, a in enumerate(schema.arguments) if a.alias_info is not None and a.alias_info.is_write]
 
 
 def plan_key(signature: tuple, autocast: tuple, sharded: tuple | None = None) -> tuple:

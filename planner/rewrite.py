@@ -26,6 +26,7 @@ import torch
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from .capture import written_arguments
 from .errors import PlannerError
 from .plan import Plan, PlannedRegion
 
@@ -114,19 +115,10 @@ class CheckpointRegion(torch.nn.Module):
         return f"stages=[{span}], cached_nodes={len(self.cached_nodes)}"
 
 
-def _written_arguments(node: fx.Node) -> list[Any]:
-    """What ``node`` writes in place (``relu_``'s input, ``add_``'s first argument); empty for pure ops."""
-    schema = getattr(node.target, "_schema", None)
-    if schema is None or not schema.is_mutable:
-        return []
-    return [node.args[i] if i < len(node.args) else node.kwargs.get(a.name)
-            for i, a in enumerate(schema.arguments) if a.alias_info is not None and a.alias_info.is_write]
-
-
 def _is_hoisted(node: fx.Node) -> bool:
     """In-place updates of buffers or inputs (``num_batches_tracked.add_(1)``, ``self.steps += 1``) and other
     mutations nothing reads: run once, outside regions, as the recomputation must not repeat them."""
-    written = _written_arguments(node)
+    written = written_arguments(node)
     if not written or node.target is torch.ops.aten.batch_norm.default:
         return False
     return not node.users or any(isinstance(w, fx.Node) and w.op in ("get_attr", "placeholder") for w in written)
@@ -142,7 +134,7 @@ def _alias_base(node: fx.Node) -> fx.Node:
 
 def _writes_outside(node: fx.Node, inside: AbstractSet[fx.Node]) -> list[fx.Node]:
     """The values made before the region that ``node`` writes in place, directly or through a view."""
-    return [w for w in _written_arguments(node) if isinstance(w, fx.Node) and _alias_base(w) not in inside]
+    return [w for w in written_arguments(node) if isinstance(w, fx.Node) and _alias_base(w) not in inside]
 
 
 def _writes_region_input(node: fx.Node, inside: AbstractSet[fx.Node], bases_read: set[fx.Node]) -> bool:
