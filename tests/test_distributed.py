@@ -12,8 +12,10 @@ sharding, stay within the per-rank budget and come close to the plan's predictio
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
@@ -28,6 +30,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@contextlib.contextmanager
+def _process_group(rank: int, port: int) -> Iterator[None]:
+    """This process as ``rank`` of the gloo group of ``WORLD`` ranks on ``port``, one thread each, until the block
+    ends."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
 def _model() -> torch.nn.Module:
     torch.manual_seed(0)  # the same initial weights on every rank
     return torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(32, 128), torch.nn.GELU(),
@@ -39,10 +54,7 @@ def _loss(out: torch.Tensor) -> torch.Tensor:
 
 
 def _ddp_rank(rank: int, port: int, results: dict) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-    torch.set_num_threads(1)
-    try:
+    with _process_group(rank, port):
         import planner
         from planner.meter import LiveMemoryMeter, storage_bytes
         from torch.nn.parallel import DistributedDataParallel as DDP
@@ -66,8 +78,6 @@ def _ddp_rank(rank: int, port: int, results: dict) -> None:
             peak=peaks["planned"], eager_peak=peaks["eager"], budget=opt.plan.budget_bytes,
             regions=len(opt.plan.regions), gradient_bytes=storage_bytes(list(planned_model.parameters())),
             buckets=dict(opt.plan.extra).get("ddp_bucket_bytes"))
-    finally:
-        dist.destroy_process_group()
 
 
 def _same_on_all_ranks(grads: dict[str, torch.Tensor]) -> bool:
@@ -78,9 +88,7 @@ def _same_on_all_ranks(grads: dict[str, torch.Tensor]) -> bool:
 
 
 def test_ddp_trains_the_planned_module_like_the_model_within_the_per_rank_budget():
-    manager = mp.Manager()
-    results = manager.dict()
-    mp.spawn(_ddp_rank, args=(_free_port(), results), nprocs=WORLD, join=True)
+    results = _spawn(_ddp_rank)
     for rank in range(WORLD):
         r = results[rank]
         assert r["regions"] > 0
@@ -98,10 +106,6 @@ def _spawn(rank_fn, *args) -> dict:
     return dict(results)
 
 
-def _join(rank: int, port: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-    torch.set_num_threads(1)
 
 
 def _wide_blocks() -> torch.nn.Sequential:
@@ -157,8 +161,7 @@ def _assert_fits(r: dict, rank: int) -> None:
 
 
 def _fsdp_rank(rank: int, port: int, results: dict) -> None:
-    _join(rank, port)
-    try:
+    with _process_group(rank, port):
         import planner
         from torch.distributed.fsdp import fully_shard
 
@@ -171,8 +174,6 @@ def _fsdp_rank(rank: int, port: int, results: dict) -> None:
         results[rank] = dict(_compare(planned, eager, opt), plans=len(opt._planned),
                              sharded=all(p.to_local().numel() < p.numel() for p in planned_model.parameters()
                                          if p.dim() == 2))
-    finally:
-        dist.destroy_process_group()
 
 
 def test_fsdp2_sharding_the_planned_module_trains_like_sharding_the_model():
@@ -186,8 +187,7 @@ def test_fsdp2_sharding_the_planned_module_trains_like_sharding_the_model():
 
 
 def _blocks_before_rank(rank: int, port: int, results: dict) -> None:
-    _join(rank, port)
-    try:
+    with _process_group(rank, port):
         import planner
 
         x = torch.randn(128, 64, generator=torch.Generator().manual_seed(100 + rank))
@@ -201,8 +201,6 @@ def _blocks_before_rank(rank: int, port: int, results: dict) -> None:
         eager = _fsdp_steps(reference, reference, x)
         results[rank] = dict(_compare(_fsdp_steps(opt, planned_model, x), eager, opt),
                              spanning=_compare(_fsdp_steps(spanning, spanning_model, x), eager, spanning))
-    finally:
-        dist.destroy_process_group()
 
 
 def test_fsdp2_blocks_sharded_before_planning_train_like_fsdp2_within_the_per_rank_budget():
@@ -220,8 +218,7 @@ def test_fsdp2_blocks_sharded_before_planning_train_like_fsdp2_within_the_per_ra
 
 
 def _blocks_after_rank(rank: int, port: int, results: dict) -> None:
-    _join(rank, port)
-    try:
+    with _process_group(rank, port):
         import planner
 
         x = torch.randn(128, 64, generator=torch.Generator().manual_seed(100 + rank))
@@ -231,8 +228,6 @@ def _blocks_after_rank(rank: int, port: int, results: dict) -> None:
         _shard_blocks(planned_model, root=opt)  # as accelerate does: each block, then the module it was given
         planned = _fsdp_steps(opt, planned_model, x)  # the first call re-plans for the shards
         results[rank] = dict(_compare(planned, _fsdp_steps(reference, reference, x), opt), plans=len(opt._planned))
-    finally:
-        dist.destroy_process_group()
 
 
 def test_fsdp2_blocks_sharded_after_planning_replan_for_the_shards():
@@ -264,8 +259,7 @@ def _planner_error(plan) -> str:
 
 
 def _unsupported_rank(rank: int, port: int, results: dict) -> None:
-    _join(rank, port)
-    try:
+    with _process_group(rank, port):
         import planner
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -290,8 +284,6 @@ def _unsupported_rank(rank: int, port: int, results: dict) -> None:
                              tight=_planner_error(lambda: optimize(tight, "40%")),
                              shapes=_planner_error(lambda: planner.optimize(tight, "75%", loss_fn=_loss,
                                                                             example_inputs=(x[:64 + 8 * rank],))))
-    finally:
-        dist.destroy_process_group()
 
 
 def test_fsdp2_uses_planner_cannot_drive_raise_planner_errors_on_every_rank():
