@@ -28,7 +28,8 @@ from .capture import CapturedGraph, autocast_state, capture, input_signature, mu
 from .devices import DeviceSpec, device_spec
 from .meta import device_type_of, target_kernels
 from .timing import AnalyticStopwatch, stopwatch_for
-from .costmodel import add_checkpoint_overheads, build_problem, calibrate, is_random, partition_stages, spread
+from .costmodel import (add_checkpoint_overheads, build_problem, calibrate, is_random, partition_stages,
+                        scale_seconds, spread)
 from .errors import InfeasibleBudgetError, PlannerError
 from .plan import Plan, SolverStatus, budget_for_usable, usable_bytes
 from .problem import Problem, Region, Schedule, simulate
@@ -191,6 +192,13 @@ def pose(captured: CapturedGraph, *, loss_fn: Callable | None = None, optimizer=
     return Posed(problem, stage_nodes, stopwatch.name, measured)
 
 
+# Calibration rounds go on (up to CALIBRATION_ROUNDS times the profile repeats, within CALIBRATION_SECONDS) until
+# the standard error of every measured cost is within CALIBRATION_TOLERANCE of the eager step.
+CALIBRATION_TOLERANCE = 0.02
+CALIBRATION_ROUNDS = 8
+CALIBRATION_SECONDS = 30.0
+
+
 def _calibrate_checkpoint_overheads(captured: CapturedGraph, problem: Problem, stage_nodes, loss_fn,
                                     repeats: int) -> Problem:
     """Time eager, every stage checkpointed, and, for each option index, every stage that has it checkpointed
@@ -223,7 +231,12 @@ def _calibrate_checkpoint_overheads(captured: CapturedGraph, problem: Problem, s
         return run
 
     with preserved_training_state(captured.graph_module):
-        extra = paired_step_seconds({name: step(m) for name, m in modules.items()}, repeats, "eager")
+        extra = paired_step_seconds({name: step(m) for name, m in modules.items()}, repeats, "eager",
+                                    tolerance=CALIBRATION_TOLERANCE, max_rounds=CALIBRATION_ROUNDS * repeats,
+                                    max_seconds=CALIBRATION_SECONDS)
+    eager = sum(s.forward_seconds + s.backward_seconds for s in problem.stages)
+    if eager > 0:  # the profile's fastest-of-a-few times, scaled to the typical eager step
+        problem = scale_seconds(problem, extra["eager"] / eager)
     forward = [s.forward_seconds for s in problem.stages]
     hooks_total = extra["checkpoint"] - sum(forward)  # negative when the nodes summed over-count the forward
     saved_counts = [sum(1 for t in problem.tensors if k in t.savers) for k in range(n)]

@@ -370,6 +370,22 @@ def spread(total: float, weights: Sequence[float]) -> list[float]:
     return [total * w / whole for w in weights]
 
 
+def scale_seconds(problem: Problem, factor: float) -> Problem:
+    """Every time in ``problem`` (forward, backward, recomputation) times ``factor``: node and stage timings taken
+    as the fastest of a few runs, scaled so that their eager step matches a typical measured one.
+
+    >>> stages = (Stage("s", forward_seconds=1.0, backward_seconds=2.0),)
+    >>> scaled = scale_seconds(Problem(stages, ()), 1.5).stages[0]
+    >>> scaled.forward_seconds, scaled.backward_seconds, scaled.recompute_options[0].recompute_seconds
+    (1.5, 3.0, 1.5)
+    """
+    stages = tuple(dataclasses.replace(
+        s, forward_seconds=s.forward_seconds * factor, backward_seconds=s.backward_seconds * factor,
+        options=tuple(dataclasses.replace(o, recompute_seconds=o.recompute_seconds * factor)
+                      for o in s.recompute_options)) for s in problem.stages)
+    return dataclasses.replace(problem, stages=stages)
+
+
 def add_checkpoint_overheads(problem: Problem, checkpoint_seconds: Sequence[float],
                              selective_seconds: Sequence[float | Sequence[float]]) -> Problem:
     """Charge each way of recomputing a stage what the checkpoint machinery costs beyond the recomputation itself:

@@ -456,10 +456,28 @@ def _measure(one_step, num_stages: int, repeats: int, stopwatch: Stopwatch,
 
 
 
-def paired_step_seconds(steps: dict[str, Callable[[], None]], repeats: int, baseline: str) -> dict[str, float]:
-    """Seconds each step function takes beyond ``baseline``'s: the median over ``repeats`` interleaved rounds
-    (after one warm-up round) of the difference within each round, so that drifts in the machine's speed between
-    rounds cancel; ``baseline`` itself maps to its fastest run.
+def median_standard_error(samples: Sequence[float]) -> float:
+    """The standard error of ``samples``' median, from their interquartile range (robust to the odd slow run):
+    1.2533 σ/√n with σ = IQR/1.349; infinite below three samples.
+
+    >>> round(median_standard_error([1.0, 2.0, 3.0, 4.0, 5.0]), 3)
+    1.246
+    """
+    if len(samples) < 3:
+        return float("inf")
+    quartiles = statistics.quantiles(samples, n=4)
+    return 1.2533 * (quartiles[2] - quartiles[0]) / 1.349 / len(samples) ** 0.5
+
+
+def paired_step_seconds(steps: dict[str, Callable[[], None]], repeats: int, baseline: str, *,
+                        tolerance: float = 0.0, max_rounds: int = 0, max_seconds: float = float("inf")
+                        ) -> dict[str, float]:
+    """Seconds each step function takes beyond ``baseline``'s: the median over interleaved rounds (after one
+    warm-up round; each round starts one step later than the last) of the difference within each round, so that
+    drifts in the machine's speed between rounds cancel; ``baseline`` itself maps to its median.
+
+    After ``repeats`` rounds, more rounds follow (up to ``max_rounds`` in all, within ``max_seconds``) while the
+    standard error of any median difference exceeds ``tolerance`` times the baseline's median.
 
     >>> steps = {"eager": lambda: None, "slow": lambda: time.sleep(0.002)}
     >>> seconds = paired_step_seconds(steps, 3, "eager")
@@ -467,12 +485,19 @@ def paired_step_seconds(steps: dict[str, Callable[[], None]], repeats: int, base
     True
     """
     samples: dict[str, list[float]] = {name: [] for name in steps}
-    for round_ in range(repeats + 1):
-        for name, step in steps.items():
+    diffs: dict[str, list[float]] = {}
+    names = list(steps)
+    started = time.perf_counter()
+    for round_ in range(max(repeats, max_rounds) + 1):
+        for name in names[round_ % len(names):] + names[:round_ % len(names)]:  # no step always follows another
             start = time.perf_counter()
-            step()
+            steps[name]()
             if round_:
                 samples[name].append(time.perf_counter() - start)
-    base = samples[baseline]
-    return {name: min(base) if name == baseline else statistics.median(a - b for a, b in zip(values, base))
-            for name, values in samples.items()}
+        base = samples[baseline]
+        diffs = {name: [a - b for a, b in zip(values, base)] for name, values in samples.items() if name != baseline}
+        if round_ >= repeats and (time.perf_counter() - started > max_seconds or all(
+                median_standard_error(d) <= tolerance * statistics.median(base) for d in diffs.values())):
+            break
+    return {baseline: statistics.median(samples[baseline]),
+            **{name: statistics.median(d) for name, d in diffs.items()}}

@@ -89,3 +89,34 @@ def test_the_planner_reaches_the_memory_of_hugging_face_checkpointing_every_bloc
     plan = Plan.from_schedule(posed.problem, every_block, solver="test", status=SolverStatus.HEURISTIC)
     measured, _ = example.measured_step(planned_module(posed.captured, plan, posed.stage_nodes))
     assert plan.predicted_peak_bytes <= uniform.peak_bytes and measured <= uniform.peak_bytes
+
+
+def _row(method, seconds, peak=100, matches=""):
+    from benchmarks import run
+    return run.Row("m", method, "s", False, peak, peak, matches, 1.0, 1.0, 1.0, 1.0, 0.0, seconds=tuple(seconds))
+
+
+def test_a_comparison_at_equal_memory_holds_unless_the_baseline_is_measurably_faster():
+    from benchmarks import run
+
+    baseline = _row("uniform", [1.0, 1.1, 0.9, 1.0, 1.05, 0.95, 1.0])
+    noisy_tie = run.Comparison("m", baseline, _row("planner", [1.1, 1.0, 1.0, 0.95, 1.1, 1.0, 1.05]))
+    assert noisy_tie.paired_ratio[0] > 1 and noisy_tie.within_noise and noisy_tie.held
+    slower = run.Comparison("m", baseline, _row("planner", [1.2 * t for t in baseline.seconds]))
+    assert slower.paired_ratio == (1.2, 0.0) and not slower.within_noise and not slower.held
+    faster = run.Comparison("m", baseline, _row("planner", [0.9 * t for t in baseline.seconds]))
+    assert faster.held and faster.faster_by == pytest.approx(0.1)
+    over = run.Comparison("m", baseline, _row("planner", baseline.seconds, peak=101))
+    assert not over.reached and not over.held
+
+
+def test_the_summary_names_ties_within_noise_and_misses_apart():
+    from benchmarks import run
+
+    eager = _row("eager", [1.0] * 5)
+    uniform = _row("uniform", [1.3, 1.4, 1.2, 1.3, 1.35])
+    tie = _row("planner", [1.35, 1.3, 1.3, 1.25, 1.4], matches=uniform.label)
+    text = run.summary([eager, uniform, tie])
+    assert "met: no method is measurably faster" in text and "within two standard errors" in text
+    slow = _row("planner", [1.6, 1.7, 1.5, 1.6, 1.65], matches=uniform.label)
+    assert "MISSED in 1 of 1 comparisons: m vs uniform (s)" in run.summary([eager, uniform, slow])

@@ -210,3 +210,17 @@ def test_what_a_no_grad_block_cuts_off_saves_nothing_and_gets_no_gradients():
                                                 hold_outputs=False))
     eager = training_step(model, lambda m: loss_fn(m(x)), (x,))
     assert simulate(problem, Schedule.store_all(problem.num_stages)).peak_bytes == eager.peak_bytes
+
+
+def test_scaled_times_keep_every_overhead_and_scale_the_step(tower):
+    from planner.costmodel import scale_seconds
+    _, _, _, profile = tower
+    problem = build_problem(profile, partition_stages(profile), random_nodes=set())
+    scaled = scale_seconds(problem, 1.25)
+    uniform = Schedule.uniform(problem.num_stages)
+    before, after = simulate(problem, uniform), simulate(scaled, uniform)
+    assert after.step_seconds == pytest.approx(1.25 * before.step_seconds)
+    assert after.overhead == pytest.approx(before.overhead)  # a ratio of times: unchanged
+    assert after.peak_bytes == before.peak_bytes
+    for old, new in zip(problem.stages, scaled.stages):
+        assert [o.cached_nodes for o in new.recompute_options] == [o.cached_nodes for o in old.recompute_options]

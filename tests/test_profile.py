@@ -1,8 +1,10 @@
+import time
+
 import torch
 
 from planner.capture import capture
 from planner.meter import storage_bytes
-from planner.profile import default_loss, measure_stages, profile_graph
+from planner.profile import default_loss, measure_stages, median_standard_error, paired_step_seconds, profile_graph
 from tests.helpers import training_step
 
 
@@ -72,3 +74,43 @@ def test_default_loss_prefers_a_scalar_output():
     assert default_loss({"loss": loss, "logits": torch.ones(3, requires_grad=True)}) is loss
     summed = default_loss((torch.ones(2, requires_grad=True), torch.ones(3, requires_grad=True)))
     assert summed.item() == 5.0
+
+
+def _varying_step(seconds: list[float]):
+    """A step that sleeps for the next of ``seconds`` in turn and counts its calls."""
+    calls = []
+
+    def step():
+        time.sleep(seconds[len(calls) % len(seconds)])
+        calls.append(1)
+    return step, calls
+
+
+def test_paired_step_seconds_stops_once_the_medians_are_precise_enough():
+    eager, eager_calls = _varying_step([0.001])
+    slow, _ = _varying_step([0.003, 0.004, 0.005])
+    # a loose tolerance is met after the minimum rounds (3, after one warm-up)
+    paired_step_seconds({"eager": eager, "slow": slow}, 3, "eager", tolerance=10.0, max_rounds=12)
+    assert len(eager_calls) == 4
+
+
+def test_paired_step_seconds_adds_rounds_while_the_medians_are_noisy():
+    eager, eager_calls = _varying_step([0.001])
+    slow, _ = _varying_step([0.003, 0.004, 0.005])
+    # an unreachable tolerance runs to max_rounds; the baseline maps to its median, the other to its median excess
+    seconds = paired_step_seconds({"eager": eager, "slow": slow}, 3, "eager", tolerance=1e-9, max_rounds=7)
+    assert len(eager_calls) == 8
+    assert 0.001 <= seconds["eager"] < 0.002 and 0.002 < seconds["slow"] < 0.006
+
+
+def test_paired_step_seconds_gives_up_at_its_time_limit():
+    eager, eager_calls = _varying_step([0.001])
+    slow, _ = _varying_step([0.003, 0.004, 0.005])
+    paired_step_seconds({"eager": eager, "slow": slow}, 2, "eager", tolerance=1e-9, max_rounds=50, max_seconds=0.0)
+    assert len(eager_calls) == 3  # the minimum rounds run, then the time is up
+
+
+def test_median_standard_error_needs_three_samples_and_falls_with_more():
+    assert median_standard_error([1.0, 2.0]) == float("inf")
+    few = median_standard_error([1.0, 2.0, 3.0, 4.0])
+    assert 0 < median_standard_error([1.0, 2.0, 3.0, 4.0] * 4) < few
