@@ -240,26 +240,28 @@ def chen(posed: Posed) -> Candidate:
 
 
 COMPILED_REPLANS = 3
+COMPILED_SLACK = 0.03  # a compiled plan this far under its budget is planned again for more memory
 
 
 def planner_at(posed: Posed, budget: int, matches: str, compile_it: bool = False) -> Candidate:
     """The planner's plan for ``budget`` (compiled when ``compile_it``); setup counts capture, profile and solve.
 
-    Inductor reorders and fuses what the plan's peak was predicted for, so a compiled plan is measured, and while
-    its peak exceeds ``budget`` it is planned again for a budget smaller by the overshoot (at most
-    ``COMPILED_REPLANS`` times), as the hand search measures its candidates; that time counts as setup too."""
+    Inductor fuses and reorders what the plan's peak was predicted for, so a compiled plan is measured and, like
+    the hand search's candidates, planned again (at most ``COMPILED_REPLANS`` times) for a budget scaled by how far
+    its compiled peak missed: smaller when it exceeds ``budget``, larger when it leaves more than
+    ``COMPILED_SLACK`` unused. The fitting plan planned for the most memory is kept; that time counts as setup too."""
     example, setting = posed.example, f"budget {format_bytes(budget)}"
     start = time.perf_counter()
-    target = budget
-    for attempt in range(COMPILED_REPLANS + 1 if compile_it else 1):
+    target, kept, kept_target, found, replans = budget, None, 0, None, 0
+    for replans in range(COMPILED_REPLANS + 1 if compile_it else 1):
         try:
             plan = solvers.solve(posed.problem, target)
         except InfeasibleBudgetError as error:
+            if kept is not None or found is not None:
+                break
             return Candidate("planner", setting, None, None, posed.seconds, compile_it, budget, matches,
                              note=f"infeasible: the smallest peak it plans is "
-                                  f"{format_bytes(error.minimum_budget_bytes or 0)}"
-                                  + (f" (compiled plans overshot; asked for {format_bytes(target)})"
-                                     if attempt else ""))
+                                  f"{format_bytes(error.minimum_budget_bytes or 0)}")
         module = planned_module(posed.captured, plan, posed.stage_nodes)
         if not compile_it:
             return eager_mode(example, "planner", setting, module, example.model,
@@ -267,10 +269,14 @@ def planner_at(posed: Posed, budget: int, matches: str, compile_it: bool = False
                               matches=matches)
         found = compiled(example, "planner", setting, module, example.model, budget_bytes=budget, matches=matches)
         if found.peak_bytes <= budget:
-            break
-        target = int(target * budget / found.peak_bytes)
-    note = f"re-planned {attempt} time(s) after measuring the compiled peak" if attempt else ""
-    return dataclasses.replace(found, setup_seconds=posed.seconds + time.perf_counter() - start, note=note)
+            if kept is None or target > kept_target:  # the most memory that fits: the least recomputation
+                kept, kept_target = found, target
+            if found.peak_bytes >= (1 - COMPILED_SLACK) * budget or not plan.regions:
+                break
+        missed_by = budget / found.peak_bytes
+        target = int(target * (missed_by if found.peak_bytes <= budget else min(missed_by, 0.99)))
+    note = f"planned {replans + 1} times, measuring each compiled peak" if replans else ""
+    return dataclasses.replace(kept or found, setup_seconds=posed.seconds + time.perf_counter() - start, note=note)
 
 
 def compile_settings(example: Example, ratios: Sequence[float]) -> list[Candidate]:
