@@ -9,7 +9,7 @@ measured against that graph run without checkpoints ("vs graph"). The captured g
 faster than the model as written (no module calls or hooks on the CPU), so the overhead a user sees against their
 own model ("vs model") is smaller still; both are printed.
 
-    python -m benchmarks.fidelity [--size test|demo] [--repeats 7] [--profile-repeats 3] [models...]
+    python -m benchmarks.fidelity [--size test|demo] [--repeats 15] [--profile-repeats 3] [models...]
 """
 
 from __future__ import annotations
