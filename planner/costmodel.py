@@ -8,7 +8,9 @@
 * Recompute options are selective-checkpoint menus per stage: recompute everything, or cache the nodes that cost the
   most time per byte (matmuls and attention first), in growing shares of the stage's cacheable bytes. Random ops
   (dropout) are never cached, so a recomputation draws the same random numbers in the same order. A stage that
-  makes one of the model's outputs is only recomputed whole (see ``_stages_making_outputs``).
+  makes one of the model's outputs is only recomputed whole (see ``_stages_making_outputs``). A caching option's
+  recompute workspace comes from a replay of its re-run, node by node (:func:`caching_workspace`): caches are
+  alive until read, temporaries of composite ops (attention) at their busiest.
 * Workspaces are calibrated: the memory a stage's forward or backward measured in an eager step, beyond what the
   execution model accounts for (activation gradients, temporaries). The backward peak is calibrated twice, seen
   from the stage's start (all it saved alive) and from its end (only what outlives it): the model then
@@ -31,11 +33,11 @@ import heapq
 import re
 from collections import Counter
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch.fx as fx
 
-from .problem import Phase, Problem, RecomputeOption, Schedule, Stage, TensorInfo, simulate
+from .problem import Phase, Problem, RecomputeOption, Schedule, Stage, TensorInfo, keeps, simulate
 from .profile import GraphProfile, NodeProfile, StageMeasurement
 
 CACHE_SHARES = (0.25, 0.5, 0.75, 1.0)
@@ -330,13 +332,115 @@ def build_problem(profile: GraphProfile, stages: Sequence[StageSpec], *, random_
         built.append(Stage(spec.name, forward_seconds=sum(n.seconds for n in nodes), backward_seconds=0.0,
                            grad_bytes=grads[i], output_grad_bytes=output_grads[i],
                            options=options[:1] if i in makes_output else options))
-    return Problem(tuple(built), tuple(tensors), profile.fixed_bytes + extra_fixed_bytes, name)
+    problem = Problem(tuple(built), tuple(tensors), profile.fixed_bytes + extra_fixed_bytes, name)
+    last_use = {key: max(readers.get(key, set()) | savers.get(key, set())) for key in readers.keys() | savers.keys()}
+    return _with_caching_workspaces(problem, [[by_name[x] for x in spec.nodes] for spec in stages],
+                                    lambda key, k: last_use.get(key, -1) > k or key in profile.output_keys)
+
+
+def _with_caching_workspaces(problem: Problem, stage_nodes: Sequence[Sequence[NodeProfile]],
+                             outlives: Callable[[int, int], bool]) -> Problem:
+    """``problem`` with the recompute workspace of every caching option set from a replay of its re-run (see
+    :func:`caching_workspace`). ``outlives(key, k)``: whether a storage of stage ``k`` is read or saved by a later
+    stage, or is an output. Options that cache nothing keep the calibrated forward workspace: a region that
+    caches nothing stops its re-run early, and until then repeats the eager forward."""
+    own: list[list[TensorInfo]] = [[] for _ in problem.stages]
+    for t in problem.tensors:
+        own[t.producer].append(t)
+    stages = []
+    for k, (stage, nodes) in enumerate(zip(problem.stages, stage_nodes)):
+        options = tuple(dataclasses.replace(o, workspace_bytes=caching_workspace(
+                            nodes, own[k], o.cached_nodes, lambda key: outlives(key, k))) if o.cached_nodes else o
+                        for o in stage.recompute_options)
+        stages.append(dataclasses.replace(stage, options=options) if stage.options else stage)
+    return dataclasses.replace(problem, stages=tuple(stages))
+
+
+def caching_workspace(nodes: Sequence[NodeProfile], tensors: Sequence[TensorInfo], cached: frozenset[str],
+                      outlives: Callable[[int], bool]) -> int:
+    """The recompute workspace of a stage (its ``nodes`` and ``tensors``) that caches ``cached``: the replayed
+    peak of its re-run (:func:`replayed_recompute_peak`) beyond the tensors that
+    :func:`~planner.problem.simulate` counts on their own all through the re-run, its cached and its kept ones
+    (:func:`~planner.problem.keeps`). Possibly negative: a cache consumed early is not alive at the peak."""
+    counted = sum(t.nbytes for t in tensors if t.node in cached or keeps(t))
+    return replayed_recompute_peak(nodes, cached, outlives) - counted
+
+
+def replayed_recompute_peak(nodes: Sequence[NodeProfile], cached: frozenset[str],
+                            outlives: Callable[[int], bool]) -> int:
+    """The most bytes of storages made by ``nodes`` (one stage, in order) alive at once while a selective-checkpoint
+    region recomputes them with ``cached`` nodes cached, node by node, as the region's body runs it.
+
+    Cached outputs are alive from the start (the forward left them in the cache) and cost nothing to make; every
+    other node allocates its outputs, plus what it frees again before it returns (:func:`intra_node_excess`).
+    A storage stays alive to the end once a node of the stage saves it for the backward (a recomputed copy) or
+    ``outlives(key)`` (a later stage reads or saves it, so the body returns it; a caching region runs its body to
+    the end); any other is freed after its last reader in the stage.
+
+    >>> from planner.profile import StorageRecord
+    >>> def node(name, made, reads=(), saved=()):
+    ...     records = tuple(StorageRecord(key, size, True) for key, size in made)
+    ...     return NodeProfile(name, "", 1.0, 0, records, frozenset(reads), frozenset(saved), frozenset(), False)
+    >>> nodes = [node("mm", [(1, 100)]), node("relu", [(2, 100)], {1}, {2}), node("mm2", [(3, 10)], {2})]
+    >>> replayed_recompute_peak(nodes, frozenset(), lambda key: key == 3)   # 1 freed once relu ran
+    200
+    >>> replayed_recompute_peak(nodes, frozenset({"mm2"}), lambda key: key == 3)   # 3 cached from the start
+    210
+    """
+    last_reader = {key: i for i, n in enumerate(nodes) for key in n.reads}  # nodes come in order: the last wins
+    saved = {key for n in nodes if n.in_backward for key in n.saved}
+    change = [0] * (len(nodes) + 1)  # bytes that become alive at node i, less those freed after node i - 1
+    for i, n in enumerate(nodes):
+        first = 0 if n.name in cached else i
+        for record in n.created:
+            if record.survives:
+                kept = record.key in saved or outlives(record.key)
+                change[first] += record.nbytes
+                change[len(nodes) if kept else max(i, last_reader.get(record.key, i)) + 1] -= record.nbytes
+    alive = peak = 0
+    for i, n in enumerate(nodes):
+        alive += change[i]
+        peak = max(peak, alive + (0 if n.name in cached else intra_node_excess(n)))
+    return peak
+
+
+def intra_node_excess(node: NodeProfile) -> int:
+    """Bytes a node holds at its busiest beyond the storages it leaves behind: the temporaries of a composite op
+    (the math path of ``scaled_dot_product_attention`` makes a float mask, a scaled query, the scores and their
+    masked sum on its way to the saved probabilities and the output).
+
+    The profile says in which order a node made its storages and which outlived it, not when the others were
+    freed, so the op is taken to run as a chain: temporaries made before its first lasting storage (inputs it
+    converts or scales) live to its end, and every later one until the next storage is made (the step that
+    consumes it). On the attention of the example models this is exact, or over by a scaled key that the real
+    op frees early.
+
+    >>> from planner.profile import StorageRecord
+    >>> made = [(50, False), (100, True), (400, False), (400, False), (100, True)]   # (bytes, outlives the node)
+    >>> records = tuple(StorageRecord(key, size, lasting) for key, (size, lasting) in enumerate(made))
+    >>> intra_node_excess(NodeProfile("attention", "", 1.0, 0, records, frozenset(), frozenset(), frozenset(), False))
+    750
+    """
+    setup = lasting = previous = busiest = 0  # previous: the temporary made last, alive while the next is made
+    for record in node.created:
+        size = record.nbytes
+        if record.survives:
+            lasting += size
+            busiest = max(busiest, setup + lasting + previous)
+            previous = 0
+        elif not lasting:
+            setup += size
+            busiest = max(busiest, setup)
+        else:
+            busiest = max(busiest, setup + lasting + previous + size)
+            previous = size
+    return busiest - lasting
 
 
 def _stages_making_outputs(profile: GraphProfile, stage_of: dict[str, int]) -> set[int]:
     """Stages that allocate one of the model's outputs: they are recomputed whole or not at all. A region that caches
     runs its recomputation to its end (so it consumes every cached value), which makes the output again beside the
-    one the caller holds, a copy the execution model does not count; one that caches nothing stops early."""
+    one the caller holds; one that caches nothing stops early."""
     return {stage_of[n.name] for n in profile.nodes if any(r.key in profile.output_keys for r in n.created)}
 
 

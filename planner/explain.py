@@ -21,7 +21,7 @@ layers.1  recomputed in region 0, caching 1 node    16.00 KiB     20.00 KiB   50
 layers.2  stored                                    20.00 KiB     20.00 KiB          0
 --------  --------------------------------------  -----------  ------------  ---------
 total     2 of 3 recomputed                         36.00 KiB     56.00 KiB    2.50 ms
-predicted peak 45.77 KiB (70% of eager 65.77 KiB), +13.9% step time
+predicted peak 49.77 KiB (76% of eager 65.77 KiB), +13.9% step time
 kept: bytes a stage holds from its forward for its backward; a checkpoint region's inputs count for its first
 stage, and a tensor that two stages save counts for both.
 """

@@ -23,13 +23,19 @@ carries. The rules, for a tensor ``t`` produced by stage ``p``:
   recomputed copies still needed by earlier stages of its region) plus a measured *backward workspace* (its own
   saved tensors not yet freed, activation gradients, temporaries), or as everything alive when it starts plus a
   measured *backward-start workspace*, whichever of the two moments is higher;
-* recomputation: when the backward reaches the last stage of a region, the region is re-run and every tensor its
-  stages save is materialised again (a second copy if the original is still held elsewhere, no copy if cached);
-  each copy lives until the backward of the first stage in the region that saves it; meanwhile the gradients of
-  the region's outputs are alive;
+* recomputation: when the backward reaches the last stage ``b`` of a region, the region re-runs its stages in
+  order and every tensor they save is materialised again (a second copy if the original is still held elsewhere,
+  no copy if cached); each copy lives until the backward of the first stage in the region that saves it. While
+  stage ``j`` of the region re-runs, alive are what is alive when ``b``'s backward starts, the caches not yet
+  consumed (a cached tensor that no stage saves and no later stage reads is consumed by its own stage's re-run),
+  the gradients of ``b``'s outputs, what the region's earlier stages *keep* (their tensors that are saved, read by a
+  later stage or model outputs, unless cached) and ``j``'s own working set: what it keeps plus its *recompute
+  workspace* with its option. A region that caches nothing stops after the last tensor it saves, so its last
+  stage's working set is the tensors it saves itself plus its workspace; a region that caches runs to its end;
 * gradients of parameters appear during the backward of the stage that uses them last and stay.
 
-Workspaces (temporaries, activation gradients in flight) are per stage and come from measurement.
+Workspaces (temporaries, activation gradients in flight) are per stage and come from measurement; a caching option
+carries its own recompute workspace (``costmodel`` replays the re-run node by node).
 
 >>> stages = tuple(Stage(f"s{i}", forward_seconds=1.0, backward_seconds=2.0) for i in range(3))
 >>> tensors = tuple(TensorInfo(f"t{i}", 100, producer=i, consumers=frozenset({i + 1}) if i < 2 else frozenset(),
@@ -51,11 +57,16 @@ from typing import Iterable
 
 @dataclass(frozen=True)
 class RecomputeOption:
-    """One way to recompute a stage: which of its nodes are cached, and the forward time the rest costs again."""
+    """One way to recompute a stage: which of its nodes are cached, and the forward time the rest costs again.
+
+    ``workspace_bytes``: the stage's recompute workspace with this option (see :meth:`Stage.recompute_workspace_of`);
+    None takes the stage's own ``recompute_workspace``.
+    """
 
     name: str
     cached_nodes: frozenset[str]
     recompute_seconds: float
+    workspace_bytes: int | None = None
 
 
 @dataclass(frozen=True)
@@ -89,6 +100,11 @@ class Stage:
         if self.recompute_workspace_bytes is None:
             return self.forward_workspace_bytes
         return self.recompute_workspace_bytes
+
+    def recompute_workspace_of(self, option: int) -> int:
+        """Bytes the recomputation of this stage with ``option`` needs beyond what the execution model counts."""
+        workspace = self.recompute_options[option].workspace_bytes
+        return self.recompute_workspace if workspace is None else workspace
 
 
 @dataclass(frozen=True)
@@ -289,6 +305,51 @@ def liveness(problem: Problem, schedule: Schedule, tensor: TensorInfo) -> _Liven
     return _Liveness(held_from, forward_until, copy_range, consumed_at)
 
 
+def keeps(tensor: TensorInfo) -> bool:
+    """Whether a re-run of ``tensor``'s stage keeps it past the stage (saved, read by a later stage, or a model
+    output), unless it is cached; otherwise it dies within the stage."""
+    return bool(tensor.savers or tensor.consumers - {tensor.producer} or tensor.is_output)
+
+
+@dataclass(frozen=True)
+class _Rerun:
+    """What the re-run of each recomputed stage leaves alive, by stage: see :func:`_recompute_peak`."""
+
+    kept: list[int]  # kept tensors (not cached)
+    consumed_inside: list[int]  # cached tensors that only the stage itself reads: consumed by its own re-run
+    saved_self: list[int]  # tensors it saves itself (not cached): what it keeps when its region stops early
+
+
+def _rerun_bytes(problem: Problem, schedule: Schedule) -> _Rerun:
+    n = problem.num_stages
+    rerun = _Rerun([0] * n, [0] * n, [0] * n)
+    recomputed = set(schedule.recomputed_stages())
+    for t in problem.tensors:
+        if t.producer not in recomputed:
+            continue
+        if t.node in _stage_cached(problem, schedule, t.producer):
+            rerun.consumed_inside[t.producer] += 0 if keeps(t) else t.nbytes
+        else:
+            rerun.kept[t.producer] += t.nbytes if keeps(t) else 0
+            rerun.saved_self[t.producer] += t.nbytes if t.producer in t.savers else 0
+    return rerun
+
+
+def _recompute_peak(problem: Problem, region: Region, rerun: _Rerun) -> tuple[int, int]:
+    """The most bytes the re-run of ``region`` adds to what is alive as its last stage's backward starts (and to
+    its caches), as one stage after another re-runs, and the workspace at that moment."""
+    caches = any(problem.stages[j].recompute_options[region.option_of(j)].cached_nodes for j in region.stages)
+    earlier, best = 0, None
+    for j in region.stages:
+        stops = j == region.stop - 1 and not caches
+        workspace = problem.stages[j].recompute_workspace_of(region.option_of(j))
+        moment = earlier + (rerun.saved_self[j] if stops else rerun.kept[j]) + workspace
+        if best is None or moment > best[0]:
+            best = (moment, workspace)
+        earlier += rerun.kept[j] - rerun.consumed_inside[j]
+    return best
+
+
 def _stage_cached(problem: Problem, schedule: Schedule, stage: int) -> frozenset[str]:
     for r in schedule.regions:
         if r.start <= stage < r.stop:
@@ -327,14 +388,14 @@ def simulate(problem: Problem, schedule: Schedule) -> Evaluation:
         events.append(MemoryEvent(Phase.FORWARD, k, problem.fixed_bytes + forward[k] + ws, forward[k], 0, ws))
     grads = 0
     region_end = {r.stop - 1: r for r in schedule.regions}
+    rerun = _rerun_bytes(problem, schedule)
     fixed = problem.fixed_bytes
     for k in reversed(range(n)):
         start = held_start[k] + copies[k]
         if k in region_end:
-            region = region_end[k]
-            ws = max(problem.stages[j].recompute_workspace for j in region.stages) \
-                + problem.stages[k].output_grad_bytes
-            act = start + consumed[k]
+            peak, workspace = _recompute_peak(problem, region_end[k], rerun)
+            act = held_start[k] + consumed[k] + peak - workspace
+            ws = workspace + problem.stages[k].output_grad_bytes
             events.append(MemoryEvent(Phase.RECOMPUTE, k, fixed + act + grads + ws, act, grads, ws))
         ws = problem.stages[k].backward_start_workspace_bytes
         events.append(MemoryEvent(Phase.BACKWARD_START, k, fixed + start + grads + ws, start, grads, ws))

@@ -21,12 +21,16 @@ from planner.problem import Problem, RecomputeOption, Region, Schedule, Stage, T
 
 
 def _options(rng: random.Random, stage: int, forward_seconds: float, nodes: list[str],
-             num_options: int) -> tuple[RecomputeOption, ...]:
+             num_options: int, unit: int) -> tuple[RecomputeOption, ...]:
+    """Option 0 recomputes everything; the others cache some nodes and, drawn apart (so that the problems the
+    other draws make stay the same), carry a recompute workspace of their own or the stage's (None)."""
     options = [RecomputeOption("recompute_all", frozenset(), forward_seconds)]
     for o in range(1, num_options):
         cached = frozenset(rng.sample(nodes, rng.randint(1, len(nodes))))
         seconds = round(forward_seconds * rng.uniform(0.05, 0.9), 3)
-        options.append(RecomputeOption(f"cache{o}_s{stage}", cached, seconds))
+        workspace = random.Random(f"{stage}/{o}/{seconds}/{sorted(cached)}").choice([None, 0, 3, 9, 25])
+        options.append(RecomputeOption(f"cache{o}_s{stage}", cached, seconds,
+                                       None if workspace is None else unit * workspace))
     return tuple(options)
 
 
@@ -43,7 +47,7 @@ def _stage(rng: random.Random, k: int, nodes: list[str], num_options: int, unit:
                  forward_workspace_bytes=unit * rng.choice([0, 1, 4, 12]),
                  backward_workspace_bytes=unit * rng.choice([0, 2, 8]),
                  recompute_workspace_bytes=rng.choice([None, unit * rng.choice([0, 6, 20])]),
-                 options=_options(rng, k, forward, nodes, num_options), **extra)
+                 options=_options(rng, k, forward, nodes, num_options, unit), **extra)
 
 
 def random_chain(n: int, seed: int = 0, *, num_options: int = 2, unit: int = 8, outputs: bool = True) -> Problem:

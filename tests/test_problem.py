@@ -50,6 +50,28 @@ def test_merged_region_recomputes_all_of_its_stages_at_once():
     assert result.recompute_seconds == pytest.approx(3.0)
 
 
+def test_a_region_reruns_its_stages_one_after_another():
+    """Stage 0 caches ``c``, which only it reads: the cache is consumed by stage 0's re-run, before stage 1 re-runs;
+    stage 1's copy ``s1`` does not exist yet while stage 0 re-runs. A region that caches runs to its end, one that
+    caches nothing stops after the last tensor it saves (``t1``, read by a later stage, is then not made again)."""
+    options = (RecomputeOption("all", frozenset(), 1.0), RecomputeOption("cache_c", frozenset({"c"}), 0.5, 5))
+    stages = (Stage("s0", 1.0, 2.0, options=options), Stage("s1", 1.0, 2.0, forward_workspace_bytes=7),
+              Stage("s2", 1.0, 2.0))
+    tensors = (TensorInfo("c", 100, 0, node="c"), TensorInfo("s0", 10, 0, savers=frozenset({0}), node="s"),
+               TensorInfo("s1", 20, 1, savers=frozenset({1}), node="t"),
+               TensorInfo("t1", 40, 1, consumers=frozenset({2}), savers=frozenset({2}), node="t"))
+    problem = Problem(stages, tensors)
+
+    def recompute(options):
+        events = simulate(problem, Schedule((Region(0, 2, options),))).events
+        return next(e for e in events if e.phase is Phase.RECOMPUTE).total_bytes
+
+    # caching: stage 0 re-runs with the cache, s0 and its workspace; stage 1 with s0, s1, t1 and its workspace
+    assert recompute((1, 0)) == max(100 + 10 + 5, 10 + 20 + 40 + 7) == 115
+    # nothing cached: c is stage 0's temporary (its forward workspace, 0 here), stage 1 stops before t1
+    assert recompute((0, 0)) == max(10 + 0, 10 + 20 + 7) == 37
+
+
 def test_cached_nodes_are_kept_from_the_forward_and_not_recomputed():
     problem = chain()
     schedule = Schedule((Region(1, 2, (1,)),))

@@ -10,7 +10,8 @@ The program walks the stages left to right. Each step chooses the next *segment*
 
 A transition checks every forward, backward-start, backward and recompute event of the new segment against the
 budget. Inside a region the options are chosen by an inner dynamic program whose state is the bytes the region has
-cached so far, the cached bytes no stage saves (consumed by the recomputation) and the recomputed copies of model
+cached so far, what its stages keep through its re-run (less the caches each re-run consumes itself), the highest
+moment of its re-run so far, whether it caches (then its re-run goes to its end) and the recomputed copies of model
 outputs; it keeps the Pareto front of (bytes, requirement, seconds).
 
 ``H`` is discretised into ``buckets`` steps of ``unit`` bytes: what a segment adds to it is rounded *up* to whole
@@ -62,11 +63,12 @@ import numpy as np
 
 from ..errors import PlannerError
 from ..plan import Plan, SolverStatus
-from ..problem import Problem, Region, Schedule, TensorInfo, recompute_seconds, simulate
+from ..problem import Problem, Region, Schedule, Stage, TensorInfo, recompute_seconds, simulate
 from .baselines import chen_sqrt, infeasible_budget_error, store_all, uniform
 from .ilp import unheld_forward_until
 
 STORED = -1  # how a stage ran, in place of an option index
+NO_RERUN = -(1 << 62)  # the highest re-run moment of no stage yet
 NO_STAGE = -2  # before the first stage
 KINDS = ("stored", "region")  # what the next segment is
 NONE = "none"  # no next segment (past the last stage)
@@ -94,6 +96,11 @@ class _Local:
         """Held or consumed by its own stage's decision ``how`` (STORED or an option)."""
         return self.saved_self if how == STORED else how in self.caching
 
+    @property
+    def keeps(self) -> bool:
+        """Kept past its stage by a re-run (see :func:`~planner.problem.keeps`), unless cached."""
+        return self.saved_self or self.saved_next or self.read_next
+
 
 @dataclass(frozen=True)
 class _Pinned:
@@ -117,30 +124,55 @@ class _StageSums:
     saved_self: int  # saved by the stage itself
     saved_any: int  # saved by the stage or the next
     cached: tuple[int, ...]
-    unsaved_cached: tuple[int, ...]  # cached but saved by no stage: consumed by the recomputation
     forward_inner: tuple[int, ...]  # alive in its forward inside a region, not at its end
     forward_from_prev: tuple[int, ...]  # alive in the next stage's forward, inside a region
-    recompute_own: tuple[int, ...]  # alive at the recomputation of a region it ends
     forward_end: dict[tuple[int, str], int]  # alive in its forward when it ends a region, by option and next kind
     forward_stored: dict[str, int]  # alive in its forward when stored, by next kind
     next_holder_matters: bool  # whether a next-stage holder can add to its forward
+    rerun: "_Rerun"
 
 
-def _stage_sums(tensors: tuple[_Local, ...], options: range) -> _StageSums:
+@dataclass(frozen=True)
+class _Rerun:
+    """Per option, what a stage's re-run adds at its highest (``problem._recompute_peak``): when it runs through
+    (what it keeps, plus its workspace), when its region stops early after it (what it saves itself, plus its
+    workspace), and what it leaves to the later stages of its region (what it keeps, less the caches it consumes)."""
+
+    through: tuple[int, ...]
+    stopped: tuple[int, ...]
+    left: tuple[int, ...]
+    caching: tuple[bool, ...]  # whether the option caches anything (its region then runs through)
+
+
+def _rerun(tensors: tuple[_Local, ...], pinned: tuple[_Pinned, ...], stage: Stage, k: int) -> _Rerun:
+    through, stopped, left, caching = [], [], [], []
+    for o, option in enumerate(stage.recompute_options):
+        kept = sum(t.nbytes for t in tensors if o not in t.caching and t.keeps) \
+            + sum(x.nbytes for x in pinned if o not in x.caching)  # outputs and far-reaching tensors: all kept
+        saved = sum(t.nbytes for t in tensors if o not in t.caching and t.saved_self) \
+            + sum(x.nbytes for x in pinned if o not in x.caching and x.first_saver == k)
+        consumed = sum(t.nbytes for t in tensors if o in t.caching and not t.keeps)
+        workspace = stage.recompute_workspace_of(o)
+        through.append(kept + workspace)
+        stopped.append((kept if option.cached_nodes else saved) + workspace)
+        left.append(kept - consumed)
+        caching.append(bool(option.cached_nodes))
+    return _Rerun(tuple(through), tuple(stopped), tuple(left), tuple(caching))
+
+
+def _stage_sums(tensors: tuple[_Local, ...], options: range, rerun: _Rerun) -> _StageSums:
     def total(keep) -> int:
         return sum(t.nbytes for t in tensors if keep(t))
     kinds = (*KINDS, NONE)
     return _StageSums(
         total(lambda t: t.saved_self), total(lambda t: t.saved_self or t.saved_next),
         tuple(total(lambda t: o in t.caching) for o in options),
-        tuple(total(lambda t: o in t.caching and not (t.saved_self or t.saved_next)) for o in options),
         tuple(total(lambda t: t.forward_self or o in t.caching) for o in options),
         tuple(total(lambda t: t.forward_next or o in t.caching) for o in options),
-        tuple(total(lambda t: t.saved_self or o in t.caching) for o in options),
         {(o, kind): total(lambda t: t.forward_self or o in t.caching or t.held_next(kind))
          for o in options for kind in kinds},
         {kind: total(lambda t: t.forward_self or t.saved_self or t.held_next(kind)) for kind in kinds},
-        any(t.saved_next and not t.forward_self for t in tensors))
+        any(t.saved_next and not t.forward_self for t in tensors), rerun)
 
 
 @dataclass(frozen=True)
@@ -204,7 +236,9 @@ def _tables(problem: Problem, unit: int, optimistic: bool = False) -> _Tables:
               + pinned_backward[k] for k in range(n)),
         tuple(fixed + grads_after[k] + getattr(stages[k], "output_grad_bytes", 0) + pinned_backward[k]
               for k in range(n)),
-        tuple(_quantized(_stage_sums(tuple(locals_[k]), options[k]), unit, optimistic) for k in range(n)),
+        tuple(_quantized(_stage_sums(tuple(locals_[k]), options[k],
+                                     _rerun(tuple(locals_[k]), tuple(pinned[k]), stages[k], k)), unit, optimistic)
+              for k in range(n)),
         pending, tuple(tuple(o.recompute_seconds for o in s.recompute_options) for s in stages), optimistic)
 
 
@@ -213,15 +247,16 @@ def _quantized(sums: _StageSums, unit: int, optimistic: bool) -> _StageSums:
     caches differ by less than a unit then compete on time alone, which keeps the Pareto fronts small."""
     def whole(nbytes: int) -> int:
         return (nbytes // unit if optimistic else -(-nbytes // unit)) * unit
-    if optimistic:  # a relaxation may under-count freely: the recomputation's unsaved caches and a region's
-        # first forward are taken at their least over the options, which keeps the bound's fronts small
+    if optimistic:  # a relaxation may under-count freely: a region's first forward and its re-run are taken at
+        # their least over the options (a re-run stopping early), which keeps the bound's fronts small
         least = {kind: min(sums.forward_end[o, kind] for o in range(len(sums.cached))) for kind in (*KINDS, NONE)}
+        options = len(sums.cached)
+        rerun = _Rerun(*((min(values),) * options for values in (sums.rerun.stopped, sums.rerun.stopped,
+                                                                   sums.rerun.left)), (False,) * options)
         return dataclasses.replace(sums, cached=tuple(map(whole, sums.cached)),
-                                   unsaved_cached=(0,) * len(sums.cached),
-                                   forward_inner=(min(sums.forward_inner),) * len(sums.cached),
-                                   forward_end={key: least[key[1]] for key in sums.forward_end})
-    return dataclasses.replace(sums, cached=tuple(map(whole, sums.cached)),
-                               unsaved_cached=tuple(map(whole, sums.unsaved_cached)))
+                                   forward_inner=(min(sums.forward_inner),) * options,
+                                   forward_end={key: least[key[1]] for key in sums.forward_end}, rerun=rerun)
+    return dataclasses.replace(sums, cached=tuple(map(whole, sums.cached)))
 
 
 @dataclass(frozen=True)
@@ -250,7 +285,9 @@ class _Open(NamedTuple):
     (A named tuple: the inner program makes millions of them.)"""
 
     cached: int  # bytes cached by stages i .. p-1: alive to the end once the region is left
-    unsaved: int  # of those, bytes no stage saves: alive again at the recomputation
+    left: int  # what the re-runs of stages i .. p-1 leave to the later ones (see _Rerun)
+    rerun: int  # the highest moment of the re-runs of stages i .. p-1 (NO_RERUN when p = i)
+    caches: bool  # whether some stage of i .. p caches: then the region's re-run goes to its end
     copies: int  # recomputed copies of pinned tensors alive at p's backward start
     future: tuple[tuple[int, int, bool], ...]  # pinned tensors (first saver > p, bytes, cached) not yet resolved
     need: int  # the largest event so far, forward of i excluded (in a shared program: forward events only)
@@ -263,9 +300,9 @@ class _Open(NamedTuple):
     def key(self) -> tuple:
         return self.options[-1], self.future
 
-    def costs(self) -> tuple:
-        return (self.cached, self.unsaved, self.copies, self.need, self.need_back, self.forward_now,
-                self.forward_first, self.seconds)
+    def costs(self) -> tuple:  # a region that caches nothing stops its re-run early: never worse than one that does
+        return (self.cached, self.left, self.rerun, int(self.caches), self.copies, self.need, self.need_back,
+                self.forward_now, self.forward_first, self.seconds)
 
 
 @dataclass(frozen=True)
@@ -288,9 +325,9 @@ def _pareto(points: list[_Open], limit: int, optimistic: bool = False) -> tuple[
     so the program's optimum stays a lower bound (but its schedule may not exist)."""
     groups: dict[tuple, list[_Open]] = {}
     for point in points:
-        groups.setdefault((point.need, point.need_back, point.copies, point.forward_now, point.forward_first),
-                          []).append(point)
-    kept = [p for group in groups.values() for p in _staircase(group, lambda x: (x.seconds, x.cached, x.unsaved))]
+        groups.setdefault((point.need, point.need_back, point.copies, point.forward_now, point.forward_first,
+                           point.rerun, point.caches), []).append(point)
+    kept = [p for group in groups.values() for p in _staircase(group, lambda x: (x.seconds, x.cached, x.left))]
     if len(kept) > limit:
         kept = _nondominated(kept, _Open.costs)
     kept.sort(key=lambda x: x.seconds)
@@ -306,7 +343,8 @@ def _pareto(points: list[_Open], limit: int, optimistic: bool = False) -> tuple[
 def _ideal(points: list[_Open]) -> _Open:
     """The least of every cost over ``points`` (of one key, fastest first), with the fastest point's options."""
     first = points[0]
-    return first._replace(cached=min(p.cached for p in points), unsaved=min(p.unsaved for p in points),
+    return first._replace(cached=min(p.cached for p in points), left=min(p.left for p in points),
+                          rerun=min(p.rerun for p in points), caches=min(p.caches for p in points),
                           copies=min(p.copies for p in points), need=min(p.need for p in points),
                           need_back=min(p.need_back for p in points),
                           forward_now=min(p.forward_now for p in points),
@@ -403,12 +441,9 @@ class _Region:
         self.cap = budget if budget is not None else float("inf")
         self.backward = backward
         self.exact = True
-        stages = tables.problem.stages
         self.saved_before = [0]  # saved_before[m]: bytes saved by a stage, of stages i .. i+m-1
         for k in range(i, tables.problem.num_stages):
             self.saved_before.append(self.saved_before[-1] + tables.sums[k].saved_any)
-        self.max_workspace = [max(stages[j].recompute_workspace for j in range(i, e + 1))
-                              for e in range(i, tables.problem.num_stages)]
 
     def _seconds(self, k: int, option: int) -> float:
         return self.tables.seconds(k, option) if self.track_time else 0.0
@@ -443,12 +478,14 @@ class _Region:
             forward_first = t.sums[i].forward_inner[o]
             if self._seconds(i, o) > self.ceiling:
                 continue
+            caches = t.sums[i].rerun.caching[o]
             if self.backward is None:
                 if self._fits(start):
-                    points.append(_Open(0, 0, copies, future, start, 0, forward_first, self._seconds(i, o), (o,)))
+                    points.append(_Open(0, 0, NO_RERUN, caches, copies, future, start, 0, forward_first,
+                                        self._seconds(i, o), (o,)))
             elif (needs := self._shared_needs(0, start)) is not None:
-                points.append(_Open(0, 0, copies, future, needs[0], 0, forward_first, self._seconds(i, o), (o,),
-                                    needs[1]))
+                points.append(_Open(0, 0, NO_RERUN, caches, copies, future, needs[0], 0, forward_first,
+                                    self._seconds(i, o), (o,), needs[1]))
         return self._prune(points)
 
     def extend(self, points: list[_Open], p: int) -> list[_Open]:
@@ -470,7 +507,8 @@ class _Region:
             cached = point.cached + last.cached[o]
             if cached > cap:
                 continue
-            unsaved = point.unsaved + last.unsaved_cached[o]
+            left = point.left + last.rerun.left[o]
+            rerun = max(point.rerun, point.left + last.rerun.through[o])
             carried = point.cached + last.forward_from_prev[o]
             so_far = max(point.need, after)
             for o2, forward_base in enumerate(forward_bases):
@@ -494,8 +532,9 @@ class _Region:
                         if need > budget:
                             continue
                         need = budget - (budget - need) // unit * unit  # canonical: the same room for H
-                out.append(_Open(cached, unsaved, copies, future, need, forward if extra and not lean else 0,
-                                 point.forward_first, point.seconds + seconds[o2], point.options + (o2,), need_back))
+                out.append(_Open(cached, left, rerun, point.caches or here.rerun.caching[o2], copies, future, need,
+                                 forward if extra and not lean else 0, point.forward_first,
+                                 point.seconds + seconds[o2], point.options + (o2,), need_back))
         return self._prune(out)
 
     def close(self, points: list[_Open], e: int, kind: str) -> list[_Closed]:
@@ -504,9 +543,9 @@ class _Region:
         closed = []
         for point in points:
             o = point.options[-1]
-            consumed = sum(nbytes for _, nbytes, cached in point.future if cached)
-            recompute = (t.rec_base[e] + self.max_workspace[e - i] + self.saved_before[e - i] + point.unsaved
-                         + t.sums[e].recompute_own[o] + point.copies + consumed)
+            own = t.sums[e].rerun  # cached pinned tensors count once, as held from their producer on (rec_base)
+            rerun = max(point.rerun, point.left + (own.through[o] if point.caches else own.stopped[o]))
+            recompute = t.rec_base[e] + point.cached + t.sums[e].cached[o] + rerun
             own_forward = t.sums[e].forward_end[o, kind]
             forward = point.need
             forward_first = point.forward_first
@@ -582,8 +621,7 @@ def _signature(tables: _Tables, k: int) -> tuple | None:
     Seconds are compared to 12 digits: sums of the same times in another order differ in the last bits."""
     if tables.pinned[k]:
         return None
-    return (tables.sums[k], tuple(float(f"{s:.12g}") for s in tables.option_seconds[k]),
-            tables.problem.stages[k].recompute_workspace)
+    return tables.sums[k], tuple(float(f"{s:.12g}") for s in tables.option_seconds[k])
 
 
 def _repeats(tables: _Tables) -> dict[int, _Repeat]:

@@ -26,12 +26,22 @@ Memory (continuous, only bounded from below, since they appear only on the left 
   it alive to the end of the forward.
 * ``copies[p,k] >= sum_t nbytes(t) * (w[p,k] - c[t])`` over tensors of ``p`` whose first saver is ``<= k`` (alive
   when ``k`` starts), or ``<= k-1`` (still needed after ``k``): the recomputed copies.
-* ``ws[k] >= (recompute_workspace(j) + output_grad_bytes(k)) * (w[j,k] + e[k] - 1)``: the largest recompute
-  workspace of a region ending at ``k``, with the gradients of ``k``'s outputs.
+* the re-run of a region, stage by stage (``problem._recompute_peak``): ``caches[j] >=`` each caching option of
+  ``j`` and ``caches[j-1] + s[j-1] - 1`` (some stage of ``j``'s region up to ``j`` caches);
+  ``kept_before[j] >= kept_before[j-1] + kept(j-1) - M (1 - s[j-1])`` (what the region's stages before ``j``
+  keep); ``inside_from[j] >= inside(j) + inside_from[j+1] - M (1 - s[j])`` (caches that the re-runs of ``j`` and
+  the later stages of its region consume themselves); ``through[j] >= kept_before[j] + kept(j) + workspace(j) +
+  inside_from[j]`` (the moment ``j`` re-runs, when the re-run goes on past it). ``rerun[k] >= through[j] +
+  output_grad_bytes(k) - M (2 - w[j,k] - e[k])`` for every ``j < k``, and ``>=`` the moment of ``k`` itself
+  ``- M (1 - e[k])``: as ``through[k]``, but when its region caches nothing it stops after ``k``'s own saved
+  tensors (``runs_on[k] >= gap(k) (caches[k] + x[k,o] - 1)`` adds the rest when the region caches after all).
+  ``kept(j)``, ``inside(j)``, ``workspace(j)``, ``gap(j)`` are sums over ``j``'s options of constants times
+  ``x[j,o]``; each ``M`` is the most its bound can reach.
 
 Events (each ``<= budget``, or ``<= peak`` when minimising the peak), as ``simulate`` lists them: the forward of
-every stage; per stage from the last, the recomputation (fixed + later gradients + ``after[.,k+1]`` + copies +
-``ws[k]``; where ``k`` ends no region this equals the backward start), the backward start (fixed + later gradients
+every stage; per stage from the last, the recomputation (fixed + later gradients + ``after[.,k+1]`` (``start[.,k]``
+for a cached tensor that only its own stage reads: ``rerun[k]`` counts it while it lives) + ``rerun[k]``; where
+``k`` ends no region this is at most the backward start), the backward start (fixed + later gradients
 + ``start`` + copies) and the backward once done (fixed + gradients so far + backward workspace + ``after`` + copies
 still needed). Objective: the recompute seconds of the chosen options. Tensors with identical rules are summed
 into one group, and tensors whose liveness no decision changes (model outputs, tensors nothing can hold) are
@@ -110,6 +120,31 @@ def group_tensors(problem: Problem) -> tuple[TensorGroup, ...]:
         sizes[key] += t.nbytes
     return tuple(TensorGroup(p, c, s, o, out, until, nbytes)
                  for (p, c, s, o, out, until), nbytes in sorted(sizes.items(), key=lambda kv: kv[0][0]))
+
+
+@dataclass(frozen=True)
+class _StageRerun:
+    """Per option of a stage, what its re-run keeps, consumes of its own caches, saves itself, and its workspace."""
+
+    kept: list[int]
+    inside: list[int]
+    saved_self: list[int]
+    workspace: list[int]
+    caching: list[bool]
+
+    @property
+    def through(self) -> list[int]:
+        """What the stage adds at its highest when its re-run goes on past it (or, caching, to its end)."""
+        return [k + w for k, w in zip(self.kept, self.workspace)]
+
+    @property
+    def stopped(self) -> list[int]:
+        """... when its region caches nothing and stops after it; ``gap`` more when the region caches after all."""
+        return [t if c else s + w for t, c, s, w in zip(self.through, self.caching, self.saved_self, self.workspace)]
+
+    @property
+    def gap(self) -> list[int]:
+        return [t - s for t, s in zip(self.through, self.stopped)]
 
 
 # --- the encoding --------------------------------------------------------------------------------------------------
@@ -285,18 +320,90 @@ class Encoding:
                         after[k].append(var)
         return at_start, after
 
-    def _recompute_workspace(self, k: int) -> pulp.LpVariable | None:
-        """``ws[k]``: the largest recompute workspace of a region ending at ``k``, plus ``k``'s output gradients."""
-        stages = self.problem.stages
-        output_grads = getattr(stages[k], "output_grad_bytes", 0)
-        floor, bounds = 0, []
-        for j in range(k, -1, -1):
-            need = stages[j].recompute_workspace + output_grads
-            if need > floor:
-                floor = need
-                together = self.region_end(k) if j == k else self.same_region(j, k) + self.region_end(k) - 1
-                bounds.append(need * together)
-        return self.at_least(f"ws_{k}", bounds) if bounds else None
+    def _rerun_bytes(self, k: int) -> _StageRerun:
+        """Stage ``k``'s re-run per option, from its groups (``problem._rerun_bytes``)."""
+        stage = self.problem.stages[k]
+        options = range(len(stage.recompute_options))
+        kept, inside, saved_self = [0] * len(options), [0] * len(options), [0] * len(options)
+        for g in self.groups:
+            if g.producer != k:
+                continue
+            keeps = bool(g.savers or g.consumers - {k} or g.is_output)
+            for o in options:
+                if o in g.caching_options:
+                    inside[o] += 0 if keeps else g.nbytes
+                else:
+                    kept[o] += g.nbytes if keeps else 0
+                    saved_self[o] += g.nbytes if k in g.savers else 0
+        return _StageRerun(kept, inside, saved_self, [stage.recompute_workspace_of(o) for o in options],
+                           [bool(option.cached_nodes) for option in stage.recompute_options])
+
+    def _over_options(self, k: int, values: list[int]) -> Expr | int:
+        """``sum_o values[o] * x[k,o]``: the value of the option stage ``k`` runs with (0 when stored)."""
+        return pulp.lpSum(v * x for v, x in zip(values, self.choose[k]) if v) if any(values) else 0
+
+    def _at_least_or_zero(self, name: str, bounds: list) -> pulp.LpVariable | int:
+        bounds = [b for b in bounds if not isinstance(b, (int, float)) or b > 0]
+        return self.at_least(name, bounds) if bounds else 0
+
+    def _caches_so_far(self, reruns: list[_StageRerun]) -> list:
+        """``caches[j]``: 1 when some stage of ``j``'s region, up to ``j``, caches."""
+        caches: list = []
+        for j, rerun in enumerate(reruns):
+            bounds = [self._over_options(j, [int(c) for c in rerun.caching])]
+            if j and not isinstance(caches[j - 1], int):
+                bounds.append(caches[j - 1] + self.share[j - 1] - 1)
+            caches.append(self._at_least_or_zero(f"caches_{j}", bounds))
+        return caches
+
+    def _kept_before(self, reruns: list[_StageRerun]) -> tuple[list, list[int]]:
+        """``kept_before[j]``: what the stages of ``j``'s region before ``j`` keep; and the most it can be."""
+        most = [sum(max(r.kept) for r in reruns[:j]) for j in range(len(reruns))]
+        kept_before: list = [0]
+        for j in range(1, len(reruns)):
+            link = kept_before[j - 1] + self._over_options(j - 1, reruns[j - 1].kept)
+            bounds = [link - most[j] * (1 - self.share[j - 1])] if most[j] else []
+            kept_before.append(self._at_least_or_zero(f"kept_before_{j}", bounds))
+        return kept_before, most
+
+    def _inside_from(self, reruns: list[_StageRerun]) -> tuple[list, list[int]]:
+        """``inside_from[j]``: the caches that the re-runs of ``j`` and the later stages of its region consume
+        themselves; and the most it can be."""
+        n = len(reruns)
+        most = [sum(max(r.inside) for r in reruns[j:]) for j in range(n + 1)]
+        inside_from: list = [0] * (n + 1)
+        for j in reversed(range(n)):
+            own = self._over_options(j, reruns[j].inside)
+            bounds = [own]
+            if j + 1 < n and most[j + 1]:
+                bounds.append(own + inside_from[j + 1] - most[j] * (1 - self.share[j]))
+            inside_from[j] = self._at_least_or_zero(f"inside_from_{j}", bounds)
+        return inside_from, most
+
+    def _rerun_peaks(self) -> list[pulp.LpVariable]:
+        """``rerun[k]``: what the re-run of a region ending at ``k`` adds at its highest, stage by stage."""
+        n = self.problem.num_stages
+        reruns = [self._rerun_bytes(k) for k in range(n)]
+        caches = self._caches_so_far(reruns)
+        kept_before, most_before = self._kept_before(reruns)
+        inside_from, most_inside = self._inside_from(reruns)
+        through = [self._at_least_or_zero(f"through_{j}", [kept_before[j] + self._over_options(j, r.through)
+                                                          + inside_from[j]]) for j, r in enumerate(reruns)]
+        most_through = [b + max(0, max(r.through)) + i for b, r, i in zip(most_before, reruns, most_inside)]
+        peaks = []
+        for k, last in enumerate(reruns):
+            runs_on = self._at_least_or_zero(f"runs_on_{k}", [] if isinstance(caches[k], int) or not any(last.gap)
+                                              else [pulp.lpSum(g * (caches[k] + x - 1)
+                                                               for g, x in zip(last.gap, self.choose[k]) if g)])
+            output_grads = self.problem.stages[k].output_grad_bytes
+            ends = kept_before[k] + self._over_options(k, last.stopped) + runs_on + inside_from[k]
+            most = most_before[k] + max(0, max(last.stopped) + max(last.gap)) + most_inside[k] + output_grads
+            bounds = [ends + output_grads - most * (1 - self.region_end(k))]
+            for j in range(k):  # the moments of the region's earlier stages, when j .. k is a region
+                together = self.same_region(j, k) + self.region_end(k) - 1
+                bounds.append(through[j] + output_grads - (most_through[j] + output_grads) * (1 - together))
+            peaks.append(self.at_least(f"rerun_{k}", bounds))
+        return peaks
 
     # events
     def _events(self) -> tuple[Event, ...]:
@@ -305,14 +412,13 @@ class Encoding:
         for index, g in enumerate(self.groups):
             self._add_group(index, g, terms)
         copies_start, copies_after = self._copy_terms()
+        reruns = self._rerun_peaks()
         events = [Event(Phase.FORWARD, k, pulp.lpSum(terms.forward[k])) for k in range(n)]
         fixed, later_grads = problem.fixed_bytes, 0
         for k in reversed(range(n)):
             stage = problem.stages[k]
             start = pulp.lpSum(terms.start[k] + copies_start[k])
-            workspace = self._recompute_workspace(k)
-            events.append(Event(Phase.RECOMPUTE, k, fixed + later_grads + pulp.lpSum(
-                terms.recompute[k] + copies_start[k]) + (workspace if workspace is not None else 0)))
+            events.append(Event(Phase.RECOMPUTE, k, fixed + later_grads + pulp.lpSum(terms.recompute[k]) + reruns[k]))
             events.append(Event(Phase.BACKWARD_START, k, fixed + later_grads + start
                                 + stage.backward_start_workspace_bytes))
             later_grads += stage.grad_bytes
@@ -338,9 +444,10 @@ class Encoding:
             return
         for k in beyond:
             terms.forward[k].append(size * live.held_at_all)
+        consumed_inside = g.caching_options and not (g.savers or g.consumers - {g.producer})  # see rerun[k]
         for k in range(n):
             for bucket, var in ((terms.start, live.start_at(k)), (terms.after, live.after_at(k)),
-                                (terms.recompute, live.after_at(k + 1))):
+                                (terms.recompute, live.start_at(k) if consumed_inside else live.after_at(k + 1))):
                 if var is not None:
                     bucket[k].append(size * var)
 
