@@ -234,6 +234,8 @@ def _calibrate_checkpoint_overheads(captured: CapturedGraph, problem: Problem, s
         extra = paired_step_seconds({name: step(m) for name, m in modules.items()}, repeats, "eager",
                                     tolerance=CALIBRATION_TOLERANCE, max_rounds=CALIBRATION_ROUNDS * repeats,
                                     max_seconds=CALIBRATION_SECONDS)
+    if extra["checkpoint"] <= 0:  # recomputing every stage measured free: the timings are noise, keep the profile's
+        return problem
     eager = sum(s.forward_seconds + s.backward_seconds for s in problem.stages)
     if eager > 0:  # the profile's fastest-of-a-few times, scaled to the typical eager step
         problem = scale_seconds(problem, extra["eager"] / eager)
