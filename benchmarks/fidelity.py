@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import statistics
 import time
 from dataclasses import dataclass
@@ -28,29 +29,10 @@ from planner.api import planned_module, pose_problem
 from planner.budget import format_bytes
 from planner.capture import capture
 from planner.problem import Schedule, simulate
-from planner.profile import median_standard_error
+from planner.timing import interleaved_rounds, median_standard_error, paired_ratios
 
 POINTS = (0.0, 0.25, 0.5, 0.75, 1.0)
 OVERHEAD_TOLERANCE = 0.2  # issue 4: predicted overhead within 20% of measured
-
-
-def step_samples(example, modules: dict, repeats: int) -> dict[str, list[float]]:
-    """Seconds of each module's training step in ``repeats`` rounds, each round running every module once (after
-    one warm-up round), so that a round's times are taken under the same load; each round starts one module later
-    than the last, so that no module always runs right after the same other one."""
-    samples: dict[str, list[float]] = {name: [] for name in modules}
-    names = list(modules)
-    for round_ in range(repeats + 1):
-        for name in names[round_ % len(names):] + names[:round_ % len(names)]:
-            seconds = example.step_seconds(modules[name])
-            if round_:
-                samples[name].append(seconds)
-    return samples
-
-
-def paired_ratios(samples: dict[str, list[float]], name: str, baseline: str) -> list[float]:
-    """``name``'s step time over ``baseline``'s, round by round."""
-    return [a / b for a, b in zip(samples[name], samples[baseline])]
 
 
 def paired_overhead(samples: dict[str, list[float]], name: str, baseline: str) -> float:
@@ -113,7 +95,8 @@ def rows_for(name: str, size: str, repeats: int, profile_repeats: int = 3) -> li
         plans[f"{point:.0%}"] = plan
     modules = {"model": example.model, "graph": captured.graph_module,
                **{k: planned_module(captured, p, stage_nodes) for k, p in plans.items()}}
-    samples = step_samples(example, modules, repeats)
+    samples = interleaved_rounds({k: functools.partial(example.step_seconds, m) for k, m in modules.items()},
+                                 repeats)
     rows = []
     for key, plan in plans.items():
         peak, _ = example.measured_step(modules[key])

@@ -50,7 +50,7 @@ from planner.capture import capture
 from planner.errors import InfeasibleBudgetError
 from planner.meter import allocator_peak_bytes, storage_bytes
 from planner.plan import Plan, SolverStatus
-from planner.profile import median_standard_error
+from planner.timing import Estimate, interleaved_rounds, paired_ratios
 from planner.solvers.baselines import chen_sqrt
 
 METHODS = ("eager", "uniform", "prefix", "chen_sqrt", "compile", "planner")
@@ -331,25 +331,6 @@ def candidates(example: Example, methods: Sequence[str], budgets: Sequence[float
     return found
 
 
-def interleaved_seconds(steps: dict[int, Callable[[], None]], repeats: int) -> dict[int, list[float]]:
-    """Seconds of each step, ``repeats`` rounds of one step each (after a warm-up round); the order rotates."""
-    keys = list(steps)
-    for step in steps.values():
-        step()  # warm-up
-    seconds: dict[int, list[float]] = {k: [] for k in keys}
-    for r in range(repeats):
-        for key in keys[r % len(keys):] + keys[:r % len(keys)]:
-            start = time.perf_counter()
-            steps[key]()
-            seconds[key].append(time.perf_counter() - start)
-    return seconds
-
-
-def per_round(seconds: dict[int, list[float]], key: int) -> list[float]:
-    """Step ``key``'s time over eager's (key 0) in the same round, round by round."""
-    return [t / e for t, e in zip(seconds[key], seconds[0])]
-
-
 def quartiles(samples: list[float]) -> tuple[float, float, float]:
     """Median and lower/upper quartiles (min/max below 4 samples)."""
     if len(samples) < 4:
@@ -372,10 +353,10 @@ def benchmark_example(example: Example, *, methods: Sequence[str] = METHODS, rep
         found = candidates(example, methods, budgets, ratios, profile_repeats, log)
         runnable = {i: c.step for i, c in enumerate(found) if c.step is not None}  # found[0] is eager
         log(f"  timing {len(runnable)} methods x {repeats} rounds")
-        seconds = interleaved_seconds(runnable, repeats)
+        seconds = interleaved_rounds(runnable, repeats)
     rows = []
     for i, c in enumerate(found):
-        median, low, high, fastest = (*quartiles(per_round(seconds, i)), min(seconds[i]) / min(seconds[0])) \
+        median, low, high, fastest = (*quartiles(paired_ratios(seconds, i, 0)), min(seconds[i]) / min(seconds[0])) \
             if i in seconds else (None,) * 4
         rows.append(Row(name, c.method, c.setting, c.compiled, c.peak_bytes, c.budget_bytes, c.matches, median,
                         low, high, fastest, c.setup_seconds, c.note, tuple(seconds.get(i, ()))))
@@ -427,35 +408,31 @@ class Comparison:
     def held(self) -> bool:
         """The planner reached the memory, and the baseline is not measurably faster: the planner's step over the
         baseline's, paired round by round, has a median at most 1 or within two standard errors of it."""
-        if not self.reached:
-            return False
-        ratio, error = self.paired_ratio
-        return ratio - 2 * error <= 1
+        return self.reached and not self.paired_ratio.clearly_above(1)
 
     @property
-    def paired_ratio(self) -> tuple[float, float]:
+    def paired_ratio(self) -> Estimate:
         """The median over rounds of the planner's step time over the baseline's in the same round, and its
         standard error (from the rounds' spread; infinite below three rounds).
 
         >>> row = lambda seconds: Row("m", "x", "", False, 1, 1, "", 1.0, 1.0, 1.0, 1.0, 0.0, seconds=seconds)
         >>> Comparison("m", row((1.0, 2.0, 1.0, 1.0)), row((1.1, 2.2, 1.1, 1.1))).paired_ratio
-        (1.1, 0.0)
+        Estimate(median=1.1, standard_error=0.0)
         """
-        ratios = [p / b for p, b in zip(self.planner.seconds, self.baseline.seconds)]
-        return round(statistics.median(ratios), 12), median_standard_error(ratios)
+        return Estimate.of(paired_ratios({"planner": self.planner.seconds, "baseline": self.baseline.seconds},
+                                         "planner", "baseline"))
 
     @property
     def faster_by(self) -> float | None:
         """The planner's step time below the baseline's, as a share of the baseline's (paired by round)."""
         if self.planner.time_ratio is None:
             return None
-        return 1 - self.paired_ratio[0]
+        return 1 - self.paired_ratio.median
 
     @property
     def within_noise(self) -> bool:
         """Slower by the medians, but by less than two standard errors."""
-        ratio, error = self.paired_ratio
-        return ratio > 1 and ratio - 2 * error <= 1
+        return self.paired_ratio.median > 1 and not self.paired_ratio.clearly_above(1)
 
 
 def comparisons(rows: Sequence[Row]) -> list[Comparison]:
@@ -475,8 +452,9 @@ def _describe(c: Comparison) -> str:
         return f"{b.label}: planner cannot reach {_mib(b.peak_bytes)} MiB ({p.note})"
     memory = (f"{_mib(p.peak_bytes)} vs {_mib(b.peak_bytes)} MiB"
               + ("" if p.peak_bytes <= b.peak_bytes else f", OVER by {p.peak_bytes / b.peak_bytes - 1:.1%}"))
-    ratio, error = c.paired_ratio
-    speed = (f"planner {_faster_or_slower(c.faster_by)} (paired per round: {ratio:.3f} ± {error:.3f}"
+    ratio = c.paired_ratio
+    speed = (f"planner {_faster_or_slower(c.faster_by)} (paired per round: {ratio.median:.3f} ± "
+             f"{ratio.standard_error:.3f}"
              f"{', within noise' if c.within_noise else ''}; {p.time_ratio:.2f}x vs {b.time_ratio:.2f}x eager; "
              f"fastest steps {p.fastest_ratio:.2f}x vs {b.fastest_ratio:.2f}x)")
     return f"{b.label}: {speed}; {memory}"

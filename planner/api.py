@@ -234,20 +234,20 @@ def _calibrate_checkpoint_overheads(captured: CapturedGraph, problem: Problem, s
         extra = paired_step_seconds({name: step(m) for name, m in modules.items()}, repeats, "eager",
                                     tolerance=CALIBRATION_TOLERANCE, max_rounds=CALIBRATION_ROUNDS * repeats,
                                     max_seconds=CALIBRATION_SECONDS)
-    if extra["checkpoint"] <= 0:  # recomputing every stage measured free: the timings are noise, keep the profile's
+    if not extra["checkpoint"].clearly_above(0):  # recomputing every stage is lost in the noise: keep the profile's
         return problem
     eager = sum(s.forward_seconds + s.backward_seconds for s in problem.stages)
     if eager > 0:  # the profile's fastest-of-a-few times, scaled to the typical eager step
-        problem = scale_seconds(problem, extra["eager"] / eager)
+        problem = scale_seconds(problem, extra["eager"].median / eager)
     forward = [s.forward_seconds for s in problem.stages]
-    hooks_total = extra["checkpoint"] - sum(forward)  # negative when the nodes summed over-count the forward
+    hooks_total = extra["checkpoint"].median - sum(forward)  # negative when the nodes summed over-count the forward
     saved_counts = [sum(1 for t in problem.tensors if k in t.savers) for k in range(n)]
     hooks = spread(hooks_total, saved_counts)
     selective = [[0.0] * len(s.recompute_options) for s in problem.stages]
     for option in range(1, levels):
         members = [r.start for r in schedules[option].regions]
         predicted = sum(problem.stages[k].recompute_options[option].recompute_seconds + hooks[k] for k in members)
-        residual = extra[option] - predicted
+        residual = extra[option].median - predicted
         for k, share in zip(members, spread(residual, [len(stage_nodes[k]) for k in members])):
             selective[k][option] = share
     return add_checkpoint_overheads(problem, hooks, selective)

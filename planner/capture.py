@@ -96,10 +96,20 @@ def mutated_nodes(graph_module: fx.GraphModule) -> frozenset[str]:
 
 def written_arguments(node: fx.Node) -> list[Any]:
     """What ``node`` writes in place (``relu_``'s input, ``add_``'s first argument); empty for pure ops."""
-    schema = getattr(node.target, "_schema", None)
+    return written_inputs(node.target, node.args, node.kwargs)
+
+
+def written_inputs(target: Any, args: tuple, kwargs: dict) -> list[Any]:
+    """Which of ``args``/``kwargs`` a call of ``target`` (an ATen op) writes, by its schema; empty for pure ops.
+
+    >>> aten = torch.ops.aten
+    >>> written_inputs(aten.add_.Tensor, ("a", "b"), {}), written_inputs(aten.add.Tensor, ("a", "b"), {})
+    (['a'], [])
+    """
+    schema = getattr(target, "_schema", None)
     if schema is None or not schema.is_mutable:
         return []
-    return [node.args[i] if i < len(node.args) else node.kwargs.get(a.name)
+    return [args[i] if i < len(args) else kwargs.get(a.name)
             for i, a in enumerate(schema.arguments) if a.alias_info is not None and a.alias_info.is_write]
 
 

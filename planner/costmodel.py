@@ -206,27 +206,25 @@ def _common_path(paths: Sequence[str]) -> str:
     return ".".join(common)
 
 
-_IN_PLACE_NAME = re.compile(r".*[a-z0-9]_(_\d+)?")
-
-
-def _writes_in_place(node: NodeProfile) -> bool:
-    """Whether ``node`` is an in-place ATen op (``relu_``, ``add__3``: ATen names them with a trailing underscore,
-    and FX numbers repeats ``_1``, ``_2``) that allocates nothing and returns what it wrote."""
-    return node.output_is_view and not node.created and _IN_PLACE_NAME.fullmatch(node.name) is not None
-
-
 def _respect_in_place_writes(stages: list[list[NodeProfile]]) -> list[list[NodeProfile]]:
     """Stages moved so that an in-place op runs in the stage that made what it reads (``h.relu_()`` on a block's
     output joins that block): a stage that wrote an earlier stage's tensor in place could be measured only through
     views of it, and recomputed it would write it again. A cut that would fall between a value and a write to it
-    moves to just after the write (the write and what precedes it join the earlier stage), or goes. The profile
-    does not say which input an op writes, so every tensor it reads counts."""
+    moves to just after the write (the write and what precedes it join the earlier stage), or goes.
+
+    >>> from planner.profile import StorageRecord
+    >>> def node(name, made=(), reads=(), writes=()):
+    ...     return NodeProfile(name, "", 1.0, 0, tuple(StorageRecord(k, 4, True) for k in made), frozenset(reads),
+    ...                        frozenset(), frozenset(), not made, writes=frozenset(writes))
+    >>> stages = [[node("mm", [1])], [node("relu_", reads=[1], writes=[1]), node("mm_1", [2], reads=[1])]]
+    >>> [[n.name for n in stage] for stage in _respect_in_place_writes(stages)]
+    [['mm', 'relu_'], ['mm_1']]
+    """
     nodes = [n for stage in stages for n in stage]
     made_at = {record.key: i for i, n in enumerate(nodes) for record in n.created}
     reach = list(range(len(nodes)))  # reach[i]: no cut may fall in (reach[i], i]
     for i, n in enumerate(nodes):
-        if _writes_in_place(n):
-            reach[i] = min([i] + [made_at[k] for k in n.reads if k in made_at])
+        reach[i] = min([i] + [made_at[k] for k in n.writes if k in made_at])
     earliest_after = reach[:]  # earliest_after[i] = min(reach[i:])
     for i in range(len(nodes) - 2, -1, -1):
         earliest_after[i] = min(earliest_after[i], earliest_after[i + 1])
@@ -409,18 +407,22 @@ def intra_node_excess(node: NodeProfile) -> int:
     (the math path of ``scaled_dot_product_attention`` makes a float mask, a scaled query, the scores and their
     masked sum on its way to the saved probabilities and the output).
 
-    The profile says in which order a node made its storages and which outlived it, not when the others were
-    freed, so the op is taken to run as a chain: temporaries made before its first lasting storage (inputs it
-    converts or scales) live to its end, and every later one until the next storage is made (the step that
-    consumes it). On the attention of the example models this is exact, or over by a scaled key that the real
-    op frees early.
+    The profiler measures the busiest moment (``busiest_bytes``). A profile without it (built by hand) says in
+    which order a node made its storages and which outlived it, not when the others were freed, so the op is
+    taken to run as a chain: temporaries made before its first lasting storage (inputs it converts or scales)
+    live to its end, and every later one until the next storage is made (the step that consumes it).
 
     >>> from planner.profile import StorageRecord
     >>> made = [(50, False), (100, True), (400, False), (400, False), (100, True)]   # (bytes, outlives the node)
     >>> records = tuple(StorageRecord(key, size, lasting) for key, (size, lasting) in enumerate(made))
     >>> intra_node_excess(NodeProfile("attention", "", 1.0, 0, records, frozenset(), frozenset(), frozenset(), False))
     750
+    >>> intra_node_excess(NodeProfile("attention", "", 1.0, 0, records, frozenset(), frozenset(), frozenset(), False,
+    ...                               busiest_bytes=700))   # measured: the scores were freed sooner
+    500
     """
+    if node.busiest_bytes is not None:
+        return max(0, node.busiest_bytes - sum(r.nbytes for r in node.created if r.survives))
     setup = lasting = previous = busiest = 0  # previous: the temporary made last, alive while the next is made
     for record in node.created:
         size = record.nbytes

@@ -21,8 +21,8 @@ True
 from __future__ import annotations
 
 from contextlib import contextmanager
+import dataclasses
 import statistics
-import time
 import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
@@ -33,9 +33,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import FlopCounterMode
 
-from .capture import CapturedGraph, flat_call_args, module_path
+from .capture import CapturedGraph, flat_call_args, module_path, written_inputs
 from .meter import LiveMemoryMeter, storage_bytes
-from .timing import Stopwatch, WallStopwatch
+from .timing import Estimate, Stopwatch, WallStopwatch, interleaved_rounds, median_standard_error
 
 Kernels = dict  # graph target -> what to call instead while profiling (see planner.meta.target_kernels)
 
@@ -64,6 +64,8 @@ class NodeProfile:
     param_reads: frozenset[str]
     output_is_view: bool
     in_backward: bool = True  # some output's grad_fn is reachable from the graph's outputs (see _backward_nodes)
+    writes: frozenset[int] = frozenset()  # storages it writes in place (by its ATen schema), among those it reads
+    busiest_bytes: int | None = None  # the most bytes of its own storages alive at once while it ran (None: unknown)
 
     @property
     def created_bytes(self) -> int:
@@ -97,6 +99,13 @@ class _StorageTracker(TorchDispatchMode):
         self.created: list[int] = []
         self._refs: dict[int, weakref.ref] = {}
         self._next = 0
+        self.live_bytes = 0  # of the storages it tracks
+        self.high_water = 0  # of live_bytes since the last mark()
+
+    def mark(self) -> int:
+        """Restart the high-water mark from the bytes alive now, and return them."""
+        self.high_water = self.live_bytes
+        return self.live_bytes
 
     def key_of(self, tensor: torch.Tensor) -> int | None:
         return self.keys.get(id(tensor.untyped_storage()))
@@ -105,7 +114,9 @@ class _StorageTracker(TorchDispatchMode):
         return any(k == key for k in self.keys.values())
 
     def _forget(self, storage_id: int) -> None:
-        self.keys.pop(storage_id, None)
+        key = self.keys.pop(storage_id, None)
+        if key is not None:
+            self.live_bytes -= self.sizes[key]
         self._refs.pop(storage_id, None)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -122,6 +133,8 @@ class _StorageTracker(TorchDispatchMode):
                 self._refs[sid] = weakref.ref(storage, lambda _r, s=sid: self._forget(s))
                 self.created.append(self._next)
                 self._next += 1
+                self.live_bytes += storage.nbytes()
+                self.high_water = max(self.high_water, self.live_bytes)
         return out
 
 
@@ -150,6 +163,7 @@ class ProfilingInterpreter(fx.Interpreter):
             return t
 
         start = len(self.tracker.created)
+        alive_before = self.tracker.mark()
         flop_counter = FlopCounterMode(display=False)
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), flop_counter, self.tracker:
             out = self.kernels.get(n.target, n.target)(*args, **kwargs)
@@ -164,8 +178,11 @@ class ProfilingInterpreter(fx.Interpreter):
         out_tensors = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
         in_ids = {id(t.untyped_storage()) for t in in_tensors}
         output_is_view = bool(out_tensors) and all(id(t.untyped_storage()) in in_ids for t in out_tensors)
+        written = {self.tracker.key_of(t) for t in tree_leaves(written_inputs(n.target, args, kwargs))
+                   if isinstance(t, torch.Tensor)}
         profile = NodeProfile(n.name, module_path(n), 0.0, flop_counter.get_total_flops(), created, reads,
-                              frozenset(saved), params, output_is_view)
+                              frozenset(saved), params, output_is_view, writes=frozenset(written & reads),
+                              busiest_bytes=self.tracker.high_water - alive_before)
         n.meta["planner"] = profile
         self.profiles.append(profile)
         self.grad_fns[n.name] = [t.grad_fn for t in out_tensors if t.grad_fn is not None]
@@ -281,8 +298,7 @@ def profile_graph(captured: CapturedGraph, *, repeats: int = 3, stopwatch: Stopw
     nodes = []
     for p in interp.profiles:
         seconds = stopwatch.combine(timings.get(p.name, [0.0]))
-        nodes.append(NodeProfile(p.name, p.module_path, seconds, p.flops, p.created, p.reads, p.saved,
-                                 p.param_reads, p.output_is_view, p.name in in_backward))
+        nodes.append(dataclasses.replace(p, seconds=seconds, in_backward=p.name in in_backward))
     for n in gm.graph.nodes:
         if "planner" in n.meta:
             n.meta["planner"] = next(p for p in nodes if p.name == n.name)
@@ -456,48 +472,30 @@ def _measure(one_step, num_stages: int, repeats: int, stopwatch: Stopwatch,
 
 
 
-def median_standard_error(samples: Sequence[float]) -> float:
-    """The standard error of ``samples``' median, from their interquartile range (robust to the odd slow run):
-    1.2533 σ/√n with σ = IQR/1.349; infinite below three samples.
-
-    >>> round(median_standard_error([1.0, 2.0, 3.0, 4.0, 5.0]), 3)
-    1.246
-    """
-    if len(samples) < 3:
-        return float("inf")
-    quartiles = statistics.quantiles(samples, n=4)
-    return 1.2533 * (quartiles[2] - quartiles[0]) / 1.349 / len(samples) ** 0.5
-
-
 def paired_step_seconds(steps: dict[str, Callable[[], None]], repeats: int, baseline: str, *,
                         tolerance: float = 0.0, max_rounds: int = 0, max_seconds: float = float("inf")
-                        ) -> dict[str, float]:
-    """Seconds each step function takes beyond ``baseline``'s: the median over interleaved rounds (after one
-    warm-up round; each round starts one step later than the last) of the difference within each round, so that
-    drifts in the machine's speed between rounds cancel; ``baseline`` itself maps to its median.
+                        ) -> dict[str, Estimate]:
+    """Seconds each step function takes beyond ``baseline``'s: the median over interleaved rounds
+    (:func:`~planner.timing.interleaved_rounds`) of the difference within each round, so that drifts in the
+    machine's speed between rounds cancel, with its standard error; ``baseline`` itself maps to its median.
 
     After ``repeats`` rounds, more rounds follow (up to ``max_rounds`` in all, within ``max_seconds``) while the
     standard error of any median difference exceeds ``tolerance`` times the baseline's median.
 
+    >>> import time
     >>> steps = {"eager": lambda: None, "slow": lambda: time.sleep(0.002)}
     >>> seconds = paired_step_seconds(steps, 3, "eager")
-    >>> seconds["eager"] < 0.001 < 0.0019 < seconds["slow"] < 0.05
+    >>> seconds["eager"].median < 0.001 < 0.0019 < seconds["slow"].median < 0.05
     True
     """
-    samples: dict[str, list[float]] = {name: [] for name in steps}
-    diffs: dict[str, list[float]] = {}
-    names = list(steps)
-    started = time.perf_counter()
-    for round_ in range(max(repeats, max_rounds) + 1):
-        for name in names[round_ % len(names):] + names[:round_ % len(names)]:  # no step always follows another
-            start = time.perf_counter()
-            steps[name]()
-            if round_:
-                samples[name].append(time.perf_counter() - start)
-        base = samples[baseline]
-        diffs = {name: [a - b for a, b in zip(values, base)] for name, values in samples.items() if name != baseline}
-        if round_ >= repeats and (time.perf_counter() - started > max_seconds or all(
-                median_standard_error(d) <= tolerance * statistics.median(base) for d in diffs.values())):
-            break
-    return {baseline: statistics.median(samples[baseline]),
-            **{name: statistics.median(d) for name, d in diffs.items()}}
+    def differences(samples: dict[str, list[float]]) -> dict[str, list[float]]:
+        return {name: [a - b for a, b in zip(values, samples[baseline])] for name, values in samples.items()
+                if name != baseline}
+
+    def precise(samples: dict[str, list[float]]) -> bool:
+        limit = tolerance * statistics.median(samples[baseline])
+        return all(median_standard_error(d) <= limit for d in differences(samples).values())
+
+    samples = interleaved_rounds(steps, repeats, enough=precise, max_rounds=max_rounds, max_seconds=max_seconds)
+    return {baseline: Estimate.of(samples[baseline]),
+            **{name: Estimate.of(d) for name, d in differences(samples).items()}}

@@ -29,7 +29,8 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Any, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -227,3 +228,83 @@ def stopwatch_for(device_type: str, device: DeviceSpec | None) -> Stopwatch:
     return WallStopwatch()
 
 
+
+
+# Whole training steps, timed against each other. A machine's speed drifts (other work, frequency, caches), so
+# steps are compared within rounds that run each of them once, and the statistics are taken over the rounds.
+
+def interleaved_rounds(steps: dict[Any, Callable[[], Any]], rounds: int, *,
+                       enough: Callable[[dict[Any, list[float]]], bool] | None = None, max_rounds: int = 0,
+                       max_seconds: float = float("inf")) -> dict[Any, list[float]]:
+    """Seconds of each step in each round: one warm-up round, then ``rounds`` rounds that run every step once;
+    round ``r`` starts with the ``r``-th step, so that no step always runs right after the same other one.
+
+    When ``enough`` is given, more rounds follow while ``enough(samples)`` is false, up to ``max_rounds`` in all,
+    within ``max_seconds`` (the warm-up included).
+
+    >>> samples = interleaved_rounds({"fast": lambda: None, "slow": lambda: time.sleep(0.002)}, 3)
+    >>> [len(s) for s in samples.values()], max(samples["fast"]) < 0.002 <= min(samples["slow"])
+    ([3, 3], True)
+    >>> more = interleaved_rounds({"a": lambda: None}, 2, enough=lambda s: len(s["a"]) >= 5, max_rounds=9)
+    >>> len(more["a"])
+    5
+    """
+    samples: dict[Any, list[float]] = {name: [] for name in steps}
+    names = list(steps)
+    started = time.perf_counter()
+    for round_ in range(max(rounds, max_rounds if enough else 0) + 1):
+        if round_ > rounds and (enough(samples) or time.perf_counter() - started > max_seconds):
+            break
+        for name in names[round_ % len(names):] + names[:round_ % len(names)]:
+            start = time.perf_counter()
+            steps[name]()
+            if round_:  # round 0 warms up
+                samples[name].append(time.perf_counter() - start)
+    return samples
+
+
+def paired_ratios(samples: dict[Any, list[float]], name: Any, baseline: Any) -> list[float]:
+    """``name``'s step time over ``baseline``'s in the same round, round by round.
+
+    >>> paired_ratios({"plan": [1.2, 2.4], "eager": [1.0, 2.0]}, "plan", "eager")
+    [1.2, 1.2]
+    """
+    return [a / b for a, b in zip(samples[name], samples[baseline])]
+
+
+def median_standard_error(samples: Sequence[float]) -> float:
+    """The standard error of ``samples``' median, from their interquartile range (robust to the odd slow run):
+    1.2533 σ/√n with σ = IQR/1.349; infinite below three samples.
+
+    >>> round(median_standard_error([1.0, 2.0, 3.0, 4.0, 5.0]), 3)
+    1.246
+    """
+    if len(samples) < 3:
+        return float("inf")
+    quartiles = statistics.quantiles(samples, n=4)
+    return 1.2533 * (quartiles[2] - quartiles[0]) / 1.349 / len(samples) ** 0.5
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """A median over rounds and its standard error (:func:`median_standard_error`).
+
+    >>> estimate = Estimate.of([1.1, 1.2, 1.0, 1.1])
+    >>> estimate.median, round(estimate.standard_error, 4), estimate.clearly_above(1.0)
+    (1.1, 0.0697, False)
+    """
+
+    median: float
+    standard_error: float
+
+    @classmethod
+    def of(cls, samples: Sequence[float]) -> "Estimate":
+        return cls(round(statistics.median(samples), 12), median_standard_error(samples))
+
+    def clearly_above(self, value: float) -> bool:
+        """Above ``value`` by more than two standard errors."""
+        return self.median - 2 * self.standard_error > value
+
+    def clearly_below(self, value: float) -> bool:
+        """Below ``value`` by more than two standard errors."""
+        return self.median + 2 * self.standard_error < value

@@ -4,7 +4,7 @@ import torch
 
 from planner.capture import capture
 from planner.meter import storage_bytes
-from planner.profile import default_loss, measure_stages, median_standard_error, paired_step_seconds, profile_graph
+from planner.profile import default_loss, measure_stages, paired_step_seconds, profile_graph
 from tests.helpers import training_step
 
 
@@ -100,7 +100,8 @@ def test_paired_step_seconds_adds_rounds_while_the_medians_are_noisy():
     # an unreachable tolerance runs to max_rounds; the baseline maps to its median, the other to its median excess
     seconds = paired_step_seconds({"eager": eager, "slow": slow}, 3, "eager", tolerance=1e-9, max_rounds=7)
     assert len(eager_calls) == 8
-    assert 0.001 <= seconds["eager"] < 0.002 and 0.002 < seconds["slow"] < 0.006
+    assert 0.001 <= seconds["eager"].median < 0.002 and 0.002 < seconds["slow"].median < 0.006
+    assert seconds["slow"].clearly_above(0) and seconds["slow"].standard_error > 0
 
 
 def test_paired_step_seconds_gives_up_at_its_time_limit():
@@ -108,9 +109,3 @@ def test_paired_step_seconds_gives_up_at_its_time_limit():
     slow, _ = _varying_step([0.003, 0.004, 0.005])
     paired_step_seconds({"eager": eager, "slow": slow}, 2, "eager", tolerance=1e-9, max_rounds=50, max_seconds=0.0)
     assert len(eager_calls) == 3  # the minimum rounds run, then the time is up
-
-
-def test_median_standard_error_needs_three_samples_and_falls_with_more():
-    assert median_standard_error([1.0, 2.0]) == float("inf")
-    few = median_standard_error([1.0, 2.0, 3.0, 4.0])
-    assert 0 < median_standard_error([1.0, 2.0, 3.0, 4.0] * 4) < few

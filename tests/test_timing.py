@@ -3,8 +3,9 @@ import torch
 
 from planner.devices import DeviceSpec, Precision, device_spec
 from planner.errors import PlannerError
-from planner.timing import (AnalyticClock, AnalyticStopwatch, CudaStopwatch, WallStopwatch, launches_kernel,
-                            precision_of, stopwatch_for)
+from planner.timing import (AnalyticClock, AnalyticStopwatch, CudaStopwatch, Estimate, WallStopwatch,
+                            interleaved_rounds, launches_kernel, median_standard_error, paired_ratios, precision_of,
+                            stopwatch_for)
 
 TOY = DeviceSpec("toy", fp32_flops=1e12, tf32_flops=2e12, half_flops=4e12, memory_bandwidth=1e12,
                  memory_bytes=2**30, launch_seconds=1e-6)
@@ -93,3 +94,41 @@ def test_cuda_events_time_kernels_where_they_run():
     assert 0 < seconds < 10
     flops = 10 * 2 * 4096**3
     assert flops / seconds < 2e15  # no GPU runs fp32 this fast: the events saw the kernels, not their launch
+
+
+def _recorder(log: list, name: str):
+    return lambda: log.append(name)
+
+
+def test_interleaved_rounds_warm_up_once_and_rotate_the_order():
+    log: list[str] = []
+    samples = interleaved_rounds({k: _recorder(log, k) for k in "abc"}, 3)
+    assert [len(s) for s in samples.values()] == [3, 3, 3]
+    assert log == list("abc" "bca" "cab" "abc")  # round 0 warms up; round r starts with the r-th step
+
+
+def test_interleaved_rounds_add_rounds_until_enough_or_out_of_time():
+    log: list[str] = []
+    steps = {"a": _recorder(log, "a")}
+    assert len(interleaved_rounds(steps, 2, enough=lambda s: len(s["a"]) >= 6, max_rounds=10)["a"]) == 6
+    assert len(interleaved_rounds(steps, 2, enough=lambda s: False, max_rounds=4)["a"]) == 4
+    assert len(interleaved_rounds(steps, 2, enough=lambda s: False, max_rounds=40, max_seconds=0.0)["a"]) == 2
+    assert len(interleaved_rounds(steps, 2, max_rounds=40)["a"]) == 2  # no judge of enough: the rounds asked for
+
+
+def test_paired_ratios_pair_rounds():
+    assert paired_ratios({"p": [2.0, 3.0], "b": [1.0, 2.0]}, "p", "b") == [2.0, 1.5]
+
+
+def test_median_standard_error_needs_three_samples_and_falls_with_more():
+    assert median_standard_error([1.0, 2.0]) == float("inf")
+    few = median_standard_error([1.0, 2.0, 3.0, 4.0])
+    assert 0 < median_standard_error([1.0, 2.0, 3.0, 4.0] * 4) < few
+
+
+def test_estimate_is_clearly_above_or_below_only_beyond_two_standard_errors():
+    estimate = Estimate(1.1, 0.04)
+    assert estimate.clearly_above(1.0) and estimate.clearly_below(1.2) and not estimate.clearly_below(1.15)
+    assert not Estimate(1.1, 0.06).clearly_above(1.0)
+    assert Estimate.of([1.0, 1.0, 1.0, 1.0]) == Estimate(1.0, 0.0)
+    assert Estimate.of([1.0, 2.0]).standard_error == float("inf")
