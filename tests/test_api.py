@@ -157,3 +157,34 @@ def test_a_calibration_that_cannot_tell_recomputation_from_free_is_ignored(monke
                                                         else checkpoint_seconds for name in steps})
     problem = api.pose(captured, profile_repeats=1).problem
     assert all(s.recompute_options[0].recompute_seconds == s.forward_seconds > 0 for s in problem.stages)
+
+
+def test_calibration_times_plain_checkpointing_apart_from_the_caching_options(monkeypatch):
+    """Eager against plain checkpointing in rounds of their own (as a training loop runs it), then eager against
+    the caching options; the options' excess is scaled to the first eager median (timings scripted)."""
+    import planner.api as api
+    from planner.capture import capture
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(),
+                                                      torch.nn.Linear(64, 16), torch.nn.Tanh()) for _ in range(3)])
+    captured = capture(model, (torch.randn(8, 16),))
+    groups = []
+
+    def scripted(steps, *args, **kwargs):
+        groups.append(list(steps))
+        eager = 1.0 if len(groups) == 1 else 2.0  # the second group ran on a machine half as fast
+        return {name: Estimate(eager if name == "eager" else 0.5 * eager, 0.001) for name in steps}
+
+    monkeypatch.setattr(api, "paired_step_seconds", scripted)
+    problem = api.pose(captured, profile_repeats=1).problem
+    levels = max(len(s.recompute_options) for s in problem.stages)
+    assert levels > 1
+    assert groups == [["eager", "checkpoint"], ["eager", *range(1, levels)]]
+    step = sum(s.forward_seconds + s.backward_seconds for s in problem.stages)
+    assert step == pytest.approx(1.0)  # scaled to the first eager median
+    plain = sum(s.recompute_options[0].recompute_seconds for s in problem.stages)
+    assert plain == pytest.approx(0.5)
+    for option in range(1, levels):  # every stage with the option: 0.5 of the first eager step, not 1.0
+        having = [s.recompute_options[option] for s in problem.stages if option < len(s.recompute_options)]
+        assert sum(o.recompute_seconds for o in having) == pytest.approx(0.5, abs=0.02)
