@@ -9,7 +9,8 @@ measured against that graph run without checkpoints ("vs graph"). The captured g
 faster than the model as written (no module calls or hooks on the CPU), so the overhead a user sees against their
 own model ("vs model") is smaller still; both are printed.
 
-    python -m benchmarks.fidelity [--size test|demo] [--repeats 15] [--profile-repeats 3] [models...]
+    python -m benchmarks.fidelity [--size test|demo] [--repeats 15] [--profile-repeats 3] [--threads N]
+                                  [--out benchmarks/FIDELITY.md] [models...]
 """
 
 from __future__ import annotations
@@ -18,11 +19,13 @@ import argparse
 import dataclasses
 import functools
 import statistics
+import sys
 import time
 from dataclasses import dataclass
 
 import torch
 
+from benchmarks.run import machine
 from examples.common import EXAMPLES, build_example
 from planner import solvers
 from planner.api import planned_module, pose_problem
@@ -107,32 +110,45 @@ def rows_for(name: str, size: str, repeats: int, profile_repeats: int = 3) -> li
     return rows
 
 
-def main(argv=None) -> None:
+def main(argv=None) -> list[FidelityRow]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("models", nargs="*", default=list(EXAMPLES))
     parser.add_argument("--size", default="test", choices=["test", "demo"])
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--profile-repeats", type=int, default=3, help="the planner's own timing repeats")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch intra-op threads (1 steadies timings on a machine shared with other work)")
+    parser.add_argument("--out", default=None, help="also write the report there (Markdown), e.g. "
+                                                   "benchmarks/FIDELITY.md")
     args = parser.parse_args(argv)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, size {args.size}; budget points go from "
-          f"the smallest feasible peak (0%) to the eager peak (100%); overheads are medians over {args.repeats} "
-          f"interleaved rounds, ± their standard error\n")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    lines = [f"Machine: {machine()}. Size {args.size}; budget points go from the smallest feasible peak (0%) to the "
+             f"eager peak (100%); overheads are medians over {args.repeats} interleaved rounds, ± their standard "
+             f"error. Command: `python -m benchmarks.fidelity {' '.join(argv if argv is not None else sys.argv[1:])}`.",
+             "", "```"]
     header = (f"{'model':11s} {'point':>5s} {'budget':>10s} {'predicted':>10s} {'measured':>10s} {'error':>7s} "
               f"{'overhead pred':>13s} {'vs graph':>15s} {'vs model':>9s} {'holds':>5s}")
-    print(header)
-    print("-" * len(header))
+    lines += [header, "-" * len(header)]
+    print("\n".join(lines[:1] + lines[3:]), flush=True)
     rows = []
     for name in args.models:
         model_rows = rows_for(name, args.size, args.repeats, args.profile_repeats)
         rows += model_rows
-        for row in model_rows:
-            print(f"{row.model:11s} {row.point:>5s} {format_bytes(row.budget_bytes):>10s} "
-                  f"{format_bytes(row.predicted_peak_bytes):>10s} {format_bytes(row.measured_peak_bytes):>10s} "
-                  f"{row.peak_error:>+7.1%} {row.predicted_overhead:>13.1%} "
-                  f"{row.overhead_vs_graph:>8.1%} ±{row.overhead_standard_error:>4.1%} {row.overhead_vs_model:>9.1%} "
-                  f"{'yes' if row.overhead_holds() else 'NO':>5s}")
-        print(f"{'':11s} planning (profile and calibration) took {model_rows[0].planning_seconds:.1f} s")
+        added = [f"{row.model:11s} {row.point:>5s} {format_bytes(row.budget_bytes):>10s} "
+                 f"{format_bytes(row.predicted_peak_bytes):>10s} {format_bytes(row.measured_peak_bytes):>10s} "
+                 f"{row.peak_error:>+7.1%} {row.predicted_overhead:>13.1%} "
+                 f"{row.overhead_vs_graph:>8.1%} ±{row.overhead_standard_error:>4.1%} {row.overhead_vs_model:>9.1%} "
+                 f"{'yes' if row.overhead_holds() else 'NO':>5s}" for row in model_rows]
+        added.append(f"{'':11s} planning (profile and calibration) took {model_rows[0].planning_seconds:.1f} s")
+        print("\n".join(added), flush=True)
+        lines += added
     print(summary(rows))
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write("# Fidelity: predicted against measured peak and overhead\n\n" + "\n".join(lines)
+                    + "\n```\n" + summary(rows) + "\n")
+    return rows
 
 
 def summary(rows: list[FidelityRow]) -> str:

@@ -59,12 +59,19 @@ def test_run_side_by_side_table_on_a_tiny_chain():
     assert "At equal memory" in summary and uniform.label in summary
 
 
-def test_fidelity_rows_hold_predicted_peaks_and_time_against_the_captured_graph():
+def test_fidelity_rows_hold_predicted_peaks_and_time_against_the_captured_graph(tmp_path, capsys):
     """benchmarks.fidelity on the LargeBlock chain at test size, one timing round: every budget point's predicted
-    peak holds within 3% when measured, and the no-recomputation point predicts no overhead."""
+    peak holds within 3% when measured, and the no-recomputation point predicts no overhead; the report names the
+    machine and the command, and is written where asked."""
     from benchmarks import fidelity
 
-    rows = fidelity.rows_for("largeblock", "test", repeats=1)
+    out = tmp_path / "FIDELITY.md"
+    rows = fidelity.main(["largeblock", "--repeats", "1", "--threads", str(torch.get_num_threads()),
+                          "--out", str(out)])
+    written = out.read_text()
+    assert "Machine: " in written and "python -m benchmarks.fidelity largeblock --repeats 1" in written
+    assert written.count("largeblock ") == 5 and "peak within 3%: 5 of 5 plans" in written
+    assert "peak within 3%: 5 of 5 plans" in capsys.readouterr().out
     assert [r.point for r in rows] == ["0%", "25%", "50%", "75%", "100%"]
     assert all(abs(r.peak_error) <= 0.03 and r.measured_peak_bytes <= r.budget_bytes for r in rows)
     assert rows[-1].predicted_overhead == 0 and rows[0].predicted_overhead > rows[2].predicted_overhead > 0
