@@ -50,6 +50,7 @@ from planner.capture import capture
 from planner.errors import InfeasibleBudgetError
 from planner.meter import allocator_peak_bytes, storage_bytes
 from planner.plan import Plan, SolverStatus
+from planner.problem import Region, Schedule
 from planner.timing import Estimate, interleaved_rounds, paired_ratios
 from planner.solvers.baselines import chen_sqrt
 
@@ -71,6 +72,8 @@ class Row:
     time_ratio, ratio_low, ratio_high: step time over eager's in the same round: median and quartiles.
     fastest_ratio: the fastest step over eager's fastest (load on the machine only adds time).
     setup_seconds: planning (capture, profile, solve), searching or compiling before the first step.
+    predicted_overhead, hand_predicted_overhead: for eager-mode planner rows, the cost model's overhead for the
+    plan and for the best hand placement within the same budget (:func:`best_hand_overhead`).
     """
 
     model: str
@@ -87,6 +90,8 @@ class Row:
     setup_seconds: float
     note: str = ""
     seconds: tuple[float, ...] = ()  # the step's time in each round, for paired comparisons
+    predicted_overhead: float | None = None  # planner rows: what the cost model predicted for the plan
+    hand_predicted_overhead: float | None = None  # planner rows: best_hand_overhead at the same budget
 
     @property
     def label(self) -> str:
@@ -110,6 +115,8 @@ class Candidate:
     budget_bytes: int | None = None
     matches: str = ""
     note: str = ""
+    predicted_overhead: float | None = None
+    hand_predicted_overhead: float | None = None
 
     @property
     def label(self) -> str:
@@ -239,6 +246,26 @@ def chen(posed: Posed) -> Candidate:
                       f"segment(s) of {posed.problem.num_stages} stages", module, posed.example.model)
 
 
+def best_hand_overhead(problem, budget: int) -> float | None:
+    """The cost model's overhead for the best hand placement of checkpoints that fits ``budget``: whole stages
+    from the first on, each its own region (what a careful user does by hand, every stage being uniform), or
+    Chen's sqrt(n) segments; None when none fits. The planner searches a superset of these schedules, so its
+    plan's prediction is never above this; how far below is what the schedule space offers on this machine.
+
+    >>> from tests.solver_problems import random_chain
+    >>> problem = random_chain(6, 1)
+    >>> every = Plan.from_schedule(problem, Schedule.uniform(6), solver="", status=SolverStatus.HEURISTIC)
+    >>> 0 < best_hand_overhead(problem, every.predicted_peak_bytes) <= every.predicted_overhead
+    True
+    >>> best_hand_overhead(problem, 1) is None
+    True
+    """
+    schedules = [Schedule(tuple(Region(k, k + 1) for k in range(count))) for count in range(problem.num_stages + 1)]
+    plans = [Plan.from_schedule(problem, s, solver="hand", status=SolverStatus.HEURISTIC)
+             for s in schedules + [chen_sqrt(problem)]]
+    return min((p.predicted_overhead for p in plans if p.predicted_peak_bytes <= budget), default=None)
+
+
 COMPILED_REPLANS = 3
 COMPILED_SLACK = 0.03  # a compiled plan this far under its budget is planned again for more memory
 
@@ -266,7 +293,8 @@ def planner_at(posed: Posed, budget: int, matches: str, compile_it: bool = False
         if not compile_it:
             return eager_mode(example, "planner", setting, module, example.model,
                               setup_seconds=posed.seconds + time.perf_counter() - start, budget_bytes=budget,
-                              matches=matches)
+                              matches=matches, predicted_overhead=plan.predicted_overhead,
+                              hand_predicted_overhead=best_hand_overhead(posed.problem, budget))
         found = compiled(example, "planner", setting, module, example.model, budget_bytes=budget, matches=matches)
         if found.peak_bytes <= budget:
             if kept is None or target > kept_target:  # the most memory that fits: the least recomputation
@@ -359,7 +387,8 @@ def benchmark_example(example: Example, *, methods: Sequence[str] = METHODS, rep
         median, low, high, fastest = (*quartiles(paired_ratios(seconds, i, 0)), min(seconds[i]) / min(seconds[0])) \
             if i in seconds else (None,) * 4
         rows.append(Row(name, c.method, c.setting, c.compiled, c.peak_bytes, c.budget_bytes, c.matches, median,
-                        low, high, fastest, c.setup_seconds, c.note, tuple(seconds.get(i, ()))))
+                        low, high, fastest, c.setup_seconds, c.note, tuple(seconds.get(i, ())),
+                        c.predicted_overhead, c.hand_predicted_overhead))
     return rows
 
 
@@ -489,8 +518,17 @@ def half_budget_lines(rows: Sequence[Row]) -> list[str]:
             "MISSED"
         lines.append(f"- {model}: planner overhead {planned.overhead:.1%} (peak {_mib(planned.peak_bytes)} MiB) vs "
                      f"best hand placement {best.label} {best.overhead:.1%} (peak {_mib(best.peak_bytes)} MiB): "
-                     f"{relation}; target (>= 30% smaller) {verdict}")
+                     f"{relation}; target (>= 30% smaller) {verdict}{_predicted_gap(planned)}")
     return lines
+
+
+def _predicted_gap(planned: Row) -> str:
+    """What the cost model expected of the planner's plan against the best hand placement in the same budget."""
+    mine, hand = planned.predicted_overhead, planned.hand_predicted_overhead
+    if mine is None or hand is None or hand <= 0:
+        return ""
+    return (f". The cost model predicted {mine:.1%} for the plan and {hand:.1%} for the best hand placement over "
+            f"the planner's stages ({1 - mine / hand:.0%} smaller): what the schedule space offers on this machine")
 
 
 def summary(rows: Sequence[Row]) -> str:

@@ -1,5 +1,7 @@
 """The benchmarks that need hardware or time run here at tiny sizes, so a GPU session finds them working."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -53,6 +55,9 @@ def test_run_side_by_side_table_on_a_tiny_chain():
         assert (row.peak_bytes is None) == (row.time_ratio is None)  # infeasible rows are not timed
         assert row.peak_bytes is None or row.peak_bytes <= row.budget_bytes
     assert at_uniform.peak_bytes is not None  # uniform's own peak is always within reach
+    # the cost model's view: the plan's predicted overhead never above the best hand placement in its budget
+    assert at_uniform.hand_predicted_overhead is not None
+    assert at_uniform.predicted_overhead <= at_uniform.hand_predicted_overhead + 1e-12
     text = run.table(rows)
     assert len(text.splitlines()) == 2 + len(rows) and text.count("| tiny |") == len(rows)
     summary = run.summary(rows)
@@ -129,6 +134,19 @@ def test_the_summary_names_ties_within_noise_and_misses_apart():
     assert "met: no method is measurably faster" in text and "within two standard errors" in text
     slow = _row("planner", [1.6, 1.7, 1.5, 1.6, 1.65], matches=uniform.label)
     assert "MISSED in 1 of 1 comparisons: m vs uniform (s)" in run.summary([eager, uniform, slow])
+
+
+def test_the_half_budget_line_gives_the_measured_verdict_and_the_cost_models_expectation():
+    from benchmarks import run
+
+    eager = _row("eager", [1.0] * 5, peak=200)
+    prefix = dataclasses.replace(_row("prefix", [1.5] * 5, peak=100), time_ratio=1.5)
+    planned = dataclasses.replace(_row("planner", [1.4] * 5, peak=100, matches="50% of eager"), time_ratio=1.4,
+                                  predicted_overhead=0.42, hand_predicted_overhead=0.5)
+    (line,) = run.half_budget_lines([eager, prefix, planned])
+    assert "planner overhead 40.0%" in line and "best hand placement prefix (s) 50.0%" in line
+    assert "20% smaller; target (>= 30% smaller) MISSED by 10% points" in line
+    assert "predicted 42.0% for the plan and 50.0% for the best hand placement" in line and "(16% smaller)" in line
 
 
 def _replanned(monkeypatch, peak_shares):
