@@ -471,7 +471,6 @@ def _measure(one_step, num_stages: int, repeats: int, stopwatch: Stopwatch,
                             device_reserved_bytes=device_reserved)
 
 
-
 def paired_step_seconds(steps: dict[str, Callable[[], None]], repeats: int, baseline: str, *,
                         tolerance: float = 0.0, max_rounds: int = 0, max_seconds: float = float("inf")
                         ) -> dict[str, Estimate]:

@@ -228,8 +228,6 @@ def stopwatch_for(device_type: str, device: DeviceSpec | None) -> Stopwatch:
     return WallStopwatch()
 
 
-
-
 # Whole training steps, timed against each other. A machine's speed drifts (other work, frequency, caches), so
 # steps are compared within rounds that run each of them once, and the statistics are taken over the rounds.
 
