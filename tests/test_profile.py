@@ -109,3 +109,31 @@ def test_paired_step_seconds_gives_up_at_its_time_limit():
     slow, _ = _varying_step([0.003, 0.004, 0.005])
     paired_step_seconds({"eager": eager, "slow": slow}, 2, "eager", tolerance=1e-9, max_rounds=50, max_seconds=0.0)
     assert len(eager_calls) == 3  # the minimum rounds run, then the time is up
+
+
+class _InPlaceAttention(torch.nn.Module):
+    """A linear, an in-place ReLU on its output, then attention with dropout: the ReLU writes what the linear
+    made, and attention (with dropout, the CPU takes the math path) frees temporaries before it returns."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(16, 48)
+
+    def forward(self, x):
+        h = self.proj(x).relu_()
+        q, k, v = h.view(2, 8, 3, 4, 4).permute(2, 0, 3, 1, 4)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=0.5)
+
+
+def test_nodes_record_what_they_write_in_place_and_their_busiest_moment():
+    torch.manual_seed(0)
+    profile = profile_graph(capture(_InPlaceAttention(), (torch.randn(2, 8, 16),)), repeats=1)
+    linear = profile.node("linear")
+    relu = next(p for p in profile.nodes if p.name.startswith("relu_"))
+    assert relu.writes == {linear.created[0].key} and not linear.writes
+    assert all(not p.writes for p in profile.nodes if p is not relu)
+    attention = next(p for p in profile.nodes if p.name.startswith("scaled_dot_product_attention"))
+    lasting = sum(r.nbytes for r in attention.created if r.survives)
+    assert attention.busiest_bytes > lasting  # temporaries (the scores) lived and died inside the node
+    assert attention.busiest_bytes <= attention.created_bytes  # never more than everything it made at once
+    assert linear.busiest_bytes == linear.created_bytes  # a plain op: its output is its busiest moment
