@@ -27,7 +27,7 @@ from .budget import Budget, format_bytes, parse_budget
 from .capture import CapturedGraph, autocast_state, capture, input_signature, mutated_nodes, plan_key
 from .devices import DeviceSpec, device_spec
 from .meta import device_type_of, target_kernels
-from .timing import AnalyticStopwatch, Estimate, stopwatch_for
+from .timing import AnalyticStopwatch, stopwatch_for
 from .costmodel import (add_checkpoint_overheads, build_problem, calibrate, is_random, partition_stages,
                         scale_seconds, spread)
 from .errors import InfeasibleBudgetError, PlannerError
@@ -201,23 +201,25 @@ CALIBRATION_SECONDS = 30.0
 
 def _calibrate_checkpoint_overheads(captured: CapturedGraph, problem: Problem, stage_nodes, loss_fn,
                                     repeats: int) -> Problem:
-    """Time eager, every stage checkpointed, and, for each option index, every stage that has it checkpointed
-    with it; what those steps cost beyond the recomputation the model predicts is the checkpoint machinery's (and
-    the error of summing the nodes' own times), charged to the options.
+    """Time eager, every stage checkpointed, and every stage that has caching options checkpointed with its first;
+    what those steps cost beyond the recomputation the model predicts is the checkpoint machinery's (and the error
+    of summing the nodes' own times), charged to every option, and to every caching option.
 
     Plain checkpointing is timed against eager on its own, as a training loop runs it: interleaved with the
     caching options (a dispatch mode, and the cache's allocations), Llama's checkpoint overhead measured 52% on
-    the CPU, against 61-64% in rounds of eager and checkpoint alone. The caching options are timed together,
-    against eager again, and their excess is scaled to the first eager median."""
+    the CPU, against 61-64% in rounds of eager and checkpoint alone. One caching option is then timed against
+    eager, its excess scaled to the first eager median: the selective-checkpoint machinery sees every op of a
+    region whatever it caches, so one measurement serves all caching options (timed one by one, five options took
+    six steps a round, and at BERT's demo size 30 s gave 4 rounds whose medians were off by up to 170 ms a step,
+    enough to make caching look free)."""
     n = problem.num_stages
-    levels = max(len(s.recompute_options) for s in problem.stages)
+    caching = [k for k, s in enumerate(problem.stages) if len(s.recompute_options) > 1]
     schedules = {"checkpoint": Schedule.uniform(n)}
-    for option in range(1, levels):
-        schedules[option] = Schedule(tuple(Region(k, k + 1, (option,)) for k, s in enumerate(problem.stages)
-                                           if option < len(s.recompute_options)))
+    if caching:
+        schedules["caching"] = Schedule(tuple(Region(k, k + 1, (1,)) for k in caching))
     modules = {"eager": captured.graph_module}
     for name, schedule in schedules.items():
-        plan = Plan.from_schedule(problem, schedule, solver=str(name), status=SolverStatus.HEURISTIC)
+        plan = Plan.from_schedule(problem, schedule, solver=name, status=SolverStatus.HEURISTIC)
         modules[name] = planned_module(captured, plan, stage_nodes)
     args, kwargs, loss_of = captured.example_args, captured.example_kwargs, loss_fn or default_loss
 
@@ -242,11 +244,9 @@ def _calibrate_checkpoint_overheads(captured: CapturedGraph, problem: Problem, s
 
     with preserved_training_state(captured.graph_module):
         extra = timed(["eager", "checkpoint"])
-        if levels > 1:
-            caching = timed(["eager", *range(1, levels)])
-            scale = extra["eager"].median / caching["eager"].median
-            extra.update({option: Estimate(e.median * scale, e.standard_error * scale)
-                          for option, e in caching.items() if option != "eager"})
+        if caching:
+            with_caching = timed(["eager", "caching"])
+            caching_seconds = with_caching["caching"].median * extra["eager"].median / with_caching["eager"].median
     if not extra["checkpoint"].clearly_above(0):  # recomputing every stage is lost in the noise: keep the profile's
         return problem
     eager = sum(s.forward_seconds + s.backward_seconds for s in problem.stages)
@@ -256,13 +256,11 @@ def _calibrate_checkpoint_overheads(captured: CapturedGraph, problem: Problem, s
     hooks_total = extra["checkpoint"].median - sum(forward)  # negative when the nodes summed over-count the forward
     saved_counts = [sum(1 for t in problem.tensors if k in t.savers) for k in range(n)]
     hooks = spread(hooks_total, saved_counts)
-    selective = [[0.0] * len(s.recompute_options) for s in problem.stages]
-    for option in range(1, levels):
-        members = [r.start for r in schedules[option].regions]
-        predicted = sum(problem.stages[k].recompute_options[option].recompute_seconds + hooks[k] for k in members)
-        residual = extra[option].median - predicted
-        for k, share in zip(members, spread(residual, [len(stage_nodes[k]) for k in members])):
-            selective[k][option] = share
+    selective = [0.0] * n
+    if caching:
+        predicted = sum(problem.stages[k].recompute_options[1].recompute_seconds + hooks[k] for k in caching)
+        for k, share in zip(caching, spread(caching_seconds - predicted, [len(stage_nodes[k]) for k in caching])):
+            selective[k] = share
     return add_checkpoint_overheads(problem, hooks, selective)
 
 
