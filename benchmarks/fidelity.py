@@ -6,8 +6,9 @@ rounds (the median over rounds of each round's ratio: drifts in the machine's sp
 
 The cost model predicts what recomputation adds to the captured graph's step, so the overhead it is held to is
 measured against that graph run without checkpoints ("vs graph"). The captured graph itself runs a few percent
-faster than the model as written (no module calls or hooks on the CPU), so the overhead a user sees against their
-own model ("vs model") is smaller still; both are printed.
+apart from the model as written (it makes no module calls, but runs export's ATen ops; on one thread it ran up to 5%
+slower on the example models), so the overhead a user sees against their own model ("vs model") differs by that;
+both are printed.
 
     python -m benchmarks.fidelity [--size test|demo] [--repeats 15] [--profile-repeats 3] [--threads N]
                                   [--out benchmarks/FIDELITY.md] [models...]
