@@ -6,7 +6,7 @@ rounds (the median over rounds of each round's ratio: drifts in the machine's sp
 
 The cost model predicts what recomputation adds to the captured graph's step, so the overhead it is held to is
 measured against that graph run without checkpoints ("vs graph"). The captured graph itself runs a few percent
-apart from the model as written (it makes no module calls, but runs export's ATen ops; on one thread it ran up to 5%
+apart from the model as written (it makes no module calls, but runs export's ATen ops; on one thread it ran up to 7%
 slower on the example models), so the overhead a user sees against their own model ("vs model") differs by that;
 both are printed.
 
