@@ -11,6 +11,7 @@ planner's speed-up over uniform.
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import time
 
@@ -23,6 +24,7 @@ from planner.budget import format_bytes
 from planner.capture import capture
 from planner.plan import Plan, SolverStatus
 from planner.problem import Schedule
+from planner.timing import interleaved_rounds
 
 
 def run(name: str, size: str, repeats: int) -> dict:
@@ -42,10 +44,7 @@ def run(name: str, size: str, repeats: int) -> dict:
     planned = planned_module(captured, plan, stage_nodes)
     modules = {"eager": example.model, "uniform": uniform, "planner": planned}
     peaks = {k: example.measured_step(m)[0] for k, m in modules.items()}
-    times = {k: [] for k in modules}
-    for _ in range(repeats):
-        for k, m in modules.items():
-            times[k].append(example.step_seconds(m))
+    times = interleaved_rounds({k: functools.partial(example.step_seconds, m) for k, m in modules.items()}, repeats)
     return dict(name=name, stages=problem.num_stages, peaks=peaks, times=times, plan=plan, uniform=uniform_plan,
                 profile_seconds=profile_seconds, solve_seconds=solve_seconds)
 
