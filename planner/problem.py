@@ -307,7 +307,8 @@ def liveness(problem: Problem, schedule: Schedule, tensor: TensorInfo) -> _Liven
 
 def keeps(tensor: TensorInfo) -> bool:
     """Whether a re-run of ``tensor``'s stage keeps it past the stage (saved, read by a later stage, or a model
-    output), unless it is cached; otherwise it dies within the stage."""
+    output), unless it is cached; otherwise it dies within the stage. Anything with a ``TensorInfo``'s
+    ``producer``, ``consumers``, ``savers`` and ``is_output`` will do (the ILP's tensor groups)."""
     return bool(tensor.savers or tensor.consumers - {tensor.producer} or tensor.is_output)
 
 

@@ -79,7 +79,8 @@ import pulp
 
 from ..errors import PlannerError
 from ..plan import Plan, SolverStatus
-from ..problem import Phase, Problem, Region, Schedule, TensorInfo, liveness, recompute_seconds, simulate
+from ..problem import (Phase, Problem, Region, Schedule, TensorInfo, keeps, liveness, recompute_seconds,
+                       simulate)
 from .baselines import chen_sqrt, fewest_blocks, infeasible_budget_error, store_all, uniform
 
 Expr = pulp.LpAffineExpression
@@ -328,12 +329,12 @@ class Encoding:
         for g in self.groups:
             if g.producer != k:
                 continue
-            keeps = bool(g.savers or g.consumers - {k} or g.is_output)
+            kept_past = keeps(g)
             for o in options:
                 if o in g.caching_options:
-                    inside[o] += 0 if keeps else g.nbytes
+                    inside[o] += 0 if kept_past else g.nbytes
                 else:
-                    kept[o] += g.nbytes if keeps else 0
+                    kept[o] += g.nbytes if kept_past else 0
                     saved_self[o] += g.nbytes if k in g.savers else 0
         return _StageRerun(kept, inside, saved_self, [stage.recompute_workspace_of(o) for o in options],
                            [bool(option.cached_nodes) for option in stage.recompute_options])
