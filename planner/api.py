@@ -19,7 +19,7 @@ import dataclasses
 import hashlib
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -253,15 +253,28 @@ def _calibrate_checkpoint_overheads(captured: CapturedGraph, problem: Problem, s
     if eager > 0:  # the profile's fastest-of-a-few times, scaled to the typical eager step
         problem = scale_seconds(problem, extra["eager"].median / eager)
     forward = [s.forward_seconds for s in problem.stages]
-    hooks_total = extra["checkpoint"].median - sum(forward)  # negative when the nodes summed over-count the forward
     saved_counts = [sum(1 for t in problem.tensors if k in t.savers) for k in range(n)]
-    hooks = spread(hooks_total, saved_counts)
+    hooks = _correction(extra["checkpoint"].median, forward, saved_counts)
     selective = [0.0] * n
     if caching:
-        predicted = sum(problem.stages[k].recompute_options[1].recompute_seconds + hooks[k] for k in caching)
-        for k, share in zip(caching, spread(caching_seconds - predicted, [len(stage_nodes[k]) for k in caching])):
+        cached = [problem.stages[k].recompute_options[1].recompute_seconds + hooks[k] for k in caching]
+        for k, share in zip(caching, _correction(caching_seconds, cached, [len(stage_nodes[k]) for k in caching])):
             selective[k] = share
     return add_checkpoint_overheads(problem, hooks, selective)
+
+
+def _correction(measured: float, predicted: Sequence[float], counts: Sequence[int]) -> list[float]:
+    """Per stage, what to add to the ``predicted`` seconds so that they sum to ``measured``: an excess is the
+    machinery's, spread by ``counts`` (saved tensors for the hooks, nodes for a dispatch mode); a shortfall means
+    the nodes' own times over-count, and shrinks each stage in proportion, so that none goes below zero.
+
+    >>> _correction(7.0, [2.0, 2.0], [1, 2])
+    [1.0, 2.0]
+    >>> _correction(2.0, [3.0, 1.0], [0, 5])
+    [-1.5, -0.5]
+    """
+    total = measured - sum(predicted)
+    return spread(total, counts if total >= 0 else [max(0.0, p) for p in predicted])
 
 
 def _in_context(model: torch.nn.Module, budget: Budget, error: InfeasibleBudgetError,

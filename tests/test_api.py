@@ -159,9 +159,11 @@ def test_a_calibration_that_cannot_tell_recomputation_from_free_is_ignored(monke
     assert all(s.recompute_options[0].recompute_seconds == s.forward_seconds > 0 for s in problem.stages)
 
 
-def test_calibration_times_plain_checkpointing_apart_from_the_caching_options(monkeypatch):
+@pytest.mark.parametrize("excess", [0.05, 0.2, 0.5, 0.95])
+def test_calibration_times_plain_checkpointing_apart_from_the_caching_options(monkeypatch, excess):
     """Eager against plain checkpointing in rounds of their own (as a training loop runs it), then eager against
-    every stage's first caching option; that excess is scaled to the first eager median (timings scripted)."""
+    every stage's first caching option; that excess is scaled to the first eager median (timings scripted). The
+    measured totals hold whether they fall short of the profile's forward times (5%) or exceed them (95%)."""
     import planner.api as api
     from planner.capture import capture
 
@@ -174,7 +176,7 @@ def test_calibration_times_plain_checkpointing_apart_from_the_caching_options(mo
     def scripted(steps, *args, **kwargs):
         groups.append(list(steps))
         eager = 1.0 if len(groups) == 1 else 2.0  # the second group ran on a machine half as fast
-        return {name: Estimate(eager if name == "eager" else 0.5 * eager, 0.001) for name in steps}
+        return {name: Estimate(eager if name == "eager" else excess * eager, 0.001) for name in steps}
 
     monkeypatch.setattr(api, "paired_step_seconds", scripted)
     problem = api.pose(captured, profile_repeats=1).problem
@@ -182,7 +184,7 @@ def test_calibration_times_plain_checkpointing_apart_from_the_caching_options(mo
     step = sum(s.forward_seconds + s.backward_seconds for s in problem.stages)
     assert step == pytest.approx(1.0)  # scaled to the first eager median
     plain = sum(s.recompute_options[0].recompute_seconds for s in problem.stages)
-    assert plain == pytest.approx(0.5)
+    assert plain == pytest.approx(excess)
     caching = [s.recompute_options[1] for s in problem.stages if len(s.recompute_options) > 1]
     assert caching and all(o.cached_nodes for o in caching)
-    assert sum(o.recompute_seconds for o in caching) == pytest.approx(0.5)  # 0.5 of the first eager step, not 1.0
+    assert sum(o.recompute_seconds for o in caching) == pytest.approx(excess)  # of the first eager step, not twice
