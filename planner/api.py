@@ -264,17 +264,21 @@ def _calibrate_checkpoint_overheads(captured: CapturedGraph, problem: Problem, s
 
 
 def _correction(measured: float, predicted: Sequence[float], counts: Sequence[int]) -> list[float]:
-    """Per stage, what to add to the ``predicted`` seconds so that they sum to ``measured``: an excess is the
-    machinery's, spread by ``counts`` (saved tensors for the hooks, nodes for a dispatch mode); a shortfall means
-    the nodes' own times over-count, and shrinks each stage in proportion, so that none goes below zero.
+    """Per stage, what to add to the ``predicted`` seconds so that they become costs of at least zero that sum to
+    ``measured``: an excess is the machinery's, spread by ``counts`` (saved tensors for the hooks, nodes for a
+    dispatch mode); a shortfall means the nodes' own times over-count, and shrinks each stage in proportion.
 
     >>> _correction(7.0, [2.0, 2.0], [1, 2])
     [1.0, 2.0]
     >>> _correction(2.0, [3.0, 1.0], [0, 5])
     [-1.5, -0.5]
+    >>> _correction(1.0, [-1.0, 1.0], [1, 1])  # a stage predicted below zero is raised to zero first
+    [1.0, 0.0]
     """
-    total = measured - sum(predicted)
-    return spread(total, counts if total >= 0 else [max(0.0, p) for p in predicted])
+    floor = [max(0.0, p) for p in predicted]
+    total = measured - sum(floor)
+    shares = spread(total, counts if total >= 0 else floor)
+    return [f - p + share for f, p, share in zip(floor, predicted, shares)]
 
 
 def _in_context(model: torch.nn.Module, budget: Budget, error: InfeasibleBudgetError,
