@@ -9,12 +9,15 @@ set up (planning, searching, compiling). Methods:
   on Hugging Face models, non-reentrant ``torch.utils.checkpoint`` around each block otherwise.
 * ``prefix``: what a careful user does by hand: checkpoint the first k blocks, the smallest k whose measured peak
   fits the budget (found by measuring k = 0, 1, ...), at each budget of ``--budgets`` (shares of eager's peak).
-* ``chen_sqrt``: Chen et al.'s sqrt(n) segments over the planner's stages, run through the planner's rewrite.
+* ``chen_sqrt``: Chen et al.'s sqrt(n) segments of whole blocks, run through the planner's rewrite.
 * ``compile``: ``torch.compile`` (inductor, CPU) at each ``torch._functorch.config.activation_memory_budget`` of
   ``--compile-ratios``; that setting is a share of saved-activation bytes, so the peak it reaches is measured
   from the CPU allocator's profiler memory events (:func:`planner.meter.allocator_peak_bytes`).
 * ``planner``: planned at each budget share, and at the measured peak of every other method (equal memory); against
-  a compiled method, the plan is compiled the same way (``torch.compile`` of the planned module).
+  a compiled method, the plan is compiled the same way (``torch.compile`` of the planned module). Its stages are
+  cut at ``--granularity`` (default ``sublayer``: checkpoints may go around any module inside a block), each solve
+  limited to ``--solve-seconds``. Its stages nest in the blocks, so ``chen_sqrt`` and the cost model's view of
+  the hand placements are schedules of whole blocks over the same stages (one profile, one calibration).
 
 Eager-mode peaks come from the live-storage meter (``Example.measured_step``), compiled peaks from the allocator;
 both add parameters, buffers and inputs. Prints a Markdown table and a summary computed from it, and writes both to
@@ -22,6 +25,7 @@ both add parameters, buffers and inputs. Prints a Markdown table and a summary c
 
     python -m benchmarks.run [--models gpt2 bert] [--methods eager uniform planner] [--repeats 7]
                              [--size test|demo] [--budgets 0.5] [--compile-ratios 0.5 0.1] [--quick] [--out PATH]
+                             [--granularity block|layer|sublayer] [--solve-seconds 15]
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import contextlib
 import copy
 import dataclasses
 import datetime
+import functools
 import os
 import platform
 import statistics
@@ -44,21 +49,24 @@ from torch.utils.checkpoint import checkpoint
 
 from examples.common import EXAMPLES, Example, build_example
 from planner import solvers
-from planner.api import planned_module, pose_problem
+from planner.api import planned_module, pose as pose_captured
 from planner.budget import format_bytes
+from planner.costmodel import Granularity
 from planner.capture import capture
 from planner.errors import InfeasibleBudgetError
 from planner.meter import allocator_peak_bytes, storage_bytes
 from planner.plan import Plan, SolverStatus
 from planner.problem import Region, Schedule
 from planner.timing import Estimate, interleaved_rounds, paired_ratios
-from planner.solvers.baselines import chen_sqrt
+from planner.solvers.baselines import chen_sqrt_of
 
 METHODS = ("eager", "uniform", "prefix", "chen_sqrt", "compile", "planner")
 HAND = ("uniform", "prefix", "chen_sqrt")  # block checkpoints placed by a rule or by hand
 BUDGETS = (0.5,)
 COMPILE_RATIOS = (0.5, 0.1)
 HALF = 0.5
+GRANULARITY = "sublayer"
+SOLVE_SECONDS = 15.0  # the solver's time limit per plan: the DP's plan of the first seconds is within 1% of later ones
 OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "RESULTS.md")
 
 
@@ -227,42 +235,52 @@ class Posed:
     problem: object
     stage_nodes: tuple
     seconds: float
+    block_ranges: tuple | None = None  # the [start, stop) of each whole block's stages (see planner.api.Posed)
+
+    def hand_schedules(self) -> list[Schedule]:
+        """Block checkpoints as users place them, over this problem's stages: the first k blocks (k = 0 .. n),
+        each its own region, and Chen's sqrt(n) segments of blocks."""
+        ranges = self.block_ranges or tuple((k, k + 1) for k in range(self.problem.num_stages))
+        blocks = [Schedule(tuple(Region(k, k + 1) for k in range(count))) for count in range(len(ranges) + 1)]
+        return [s.refined(ranges) for s in blocks + [chen_sqrt_of(len(ranges))]]
 
 
-def pose(example: Example, profile_repeats: int) -> Posed:
+def pose(example: Example, profile_repeats: int, granularity: str = "block") -> Posed:
     start = time.perf_counter()
     captured = capture(example.model, example.example_inputs, example.example_kwargs)
-    problem, stage_nodes = pose_problem(captured, loss_fn=example.loss_fn, hold_outputs=False,
-                                        profile_repeats=profile_repeats)
-    return Posed(example, captured, problem, stage_nodes, time.perf_counter() - start)
+    posed = pose_captured(captured, loss_fn=example.loss_fn, hold_outputs=False, profile_repeats=profile_repeats,
+                          granularity=granularity)
+    return Posed(example, captured, posed.problem, posed.stage_nodes, time.perf_counter() - start,
+                 posed.block_ranges)
 
 
 def chen(posed: Posed) -> Candidate:
-    """Chen's sqrt(n) segments over the planner's stages, run by the planner's rewrite."""
-    plan = Plan.from_schedule(posed.problem, chen_sqrt(posed.problem), solver="chen_sqrt",
+    """Chen's sqrt(n) segments of whole blocks, run by the planner's rewrite."""
+    plan = Plan.from_schedule(posed.problem, posed.hand_schedules()[-1], solver="chen_sqrt",
                               status=SolverStatus.HEURISTIC)
     module = planned_module(posed.captured, plan, posed.stage_nodes)
     return eager_mode(posed.example, "chen_sqrt", f"{len(plan.schedule.regions)} checkpointed "
                       f"segment(s) of {posed.problem.num_stages} stages", module, posed.example.model)
 
 
-def best_hand_overhead(problem, budget: int) -> float | None:
-    """The cost model's overhead for the best hand placement of checkpoints that fits ``budget``: whole stages
-    from the first on, each its own region (what a careful user does by hand, every stage being uniform), or
-    Chen's sqrt(n) segments; None when none fits. The planner searches a superset of these schedules, so its
-    plan's prediction is never above this; how far below is what the schedule space offers on this machine.
+def best_hand_overhead(posed: Posed, budget: int) -> float | None:
+    """The cost model's overhead for the best hand placement of block checkpoints that fits ``budget``: the first
+    blocks, each its own region (what a careful user does by hand, every block being uniform), or Chen's sqrt(n)
+    segments (:meth:`Posed.hand_schedules`); None when none fits. The planner searches a superset of these
+    schedules (its stages nest in the blocks), so its plan's prediction is never above this; how far below is what
+    the schedule space offers on this machine.
 
     >>> from tests.solver_problems import random_chain
     >>> problem = random_chain(6, 1)
+    >>> posed = Posed(None, None, problem, (), 0.0)
     >>> every = Plan.from_schedule(problem, Schedule.uniform(6), solver="", status=SolverStatus.HEURISTIC)
-    >>> 0 < best_hand_overhead(problem, every.predicted_peak_bytes) <= every.predicted_overhead
+    >>> 0 < best_hand_overhead(posed, every.predicted_peak_bytes) <= every.predicted_overhead
     True
-    >>> best_hand_overhead(problem, 1) is None
+    >>> best_hand_overhead(posed, 1) is None
     True
     """
-    schedules = [Schedule(tuple(Region(k, k + 1) for k in range(count))) for count in range(problem.num_stages + 1)]
-    plans = [Plan.from_schedule(problem, s, solver="hand", status=SolverStatus.HEURISTIC)
-             for s in schedules + [chen_sqrt(problem)]]
+    plans = [Plan.from_schedule(posed.problem, s, solver="hand", status=SolverStatus.HEURISTIC)
+             for s in posed.hand_schedules()]
     return min((p.predicted_overhead for p in plans if p.predicted_peak_bytes <= budget), default=None)
 
 
@@ -270,8 +288,10 @@ COMPILED_REPLANS = 3
 COMPILED_SLACK = 0.03  # a compiled plan this far under its budget is planned again for more memory
 
 
-def planner_at(posed: Posed, budget: int, matches: str, compile_it: bool = False) -> Candidate:
-    """The planner's plan for ``budget`` (compiled when ``compile_it``); setup counts capture, profile and solve.
+def planner_at(posed: Posed, budget: int, matches: str, compile_it: bool = False, *,
+               solve_seconds: float | None = None) -> Candidate:
+    """The planner's plan for ``budget`` (compiled when ``compile_it``); setup counts capture, profile and solve
+    (each solve limited to ``solve_seconds``).
 
     Inductor fuses and reorders what the plan's peak was predicted for, so a compiled plan is measured and, like
     the hand search's candidates, planned again (at most ``COMPILED_REPLANS`` times) for a budget scaled by how far
@@ -282,7 +302,8 @@ def planner_at(posed: Posed, budget: int, matches: str, compile_it: bool = False
     target, kept, kept_target, found, replans = budget, None, 0, None, 0
     for replans in range(COMPILED_REPLANS + 1 if compile_it else 1):
         try:
-            plan = solvers.solve(posed.problem, target)
+            plan = solvers.solve(posed.problem, target, **({} if solve_seconds is None
+                                                            else {"time_limit": solve_seconds}))
         except InfeasibleBudgetError as error:
             if kept is not None or found is not None:
                 break
@@ -294,7 +315,7 @@ def planner_at(posed: Posed, budget: int, matches: str, compile_it: bool = False
             return eager_mode(example, "planner", setting, module, example.model,
                               setup_seconds=posed.seconds + time.perf_counter() - start, budget_bytes=budget,
                               matches=matches, predicted_overhead=plan.predicted_overhead,
-                              hand_predicted_overhead=best_hand_overhead(posed.problem, budget))
+                              hand_predicted_overhead=best_hand_overhead(posed, budget))
         found = compiled(example, "planner", setting, module, example.model, budget_bytes=budget, matches=matches)
         if found.peak_bytes <= budget:
             if kept is None or target > kept_target:  # the most memory that fits: the least recomputation
@@ -336,12 +357,15 @@ def compile_config() -> Iterator[None]:
 
 
 def candidates(example: Example, methods: Sequence[str], budgets: Sequence[float], ratios: Sequence[float],
-               profile_repeats: int, log: Callable[[str], None]) -> list[Candidate]:
+               profile_repeats: int, log: Callable[[str], None], granularity: str = GRANULARITY,
+               solve_seconds: float | None = SOLVE_SECONDS) -> list[Candidate]:
     """Set up every method on ``example``; planner candidates at each budget share and at every other peak."""
     model = example.model
     found = [eager_mode(example, "eager", "no recomputation", model, model)]
     eager_peak = found[0].peak_bytes
-    posed = pose(example, profile_repeats) if {"planner", "chen_sqrt"} & set(methods) else None
+    posed = pose(example, profile_repeats, granularity) if {"planner", "chen_sqrt"} & set(methods) else None
+    if posed is not None and posed.block_ranges is None:  # finer stages that do not nest in the blocks
+        posed = pose(example, profile_repeats)
     if "uniform" in methods:
         found.append(uniform(example))
     if "prefix" in methods:
@@ -353,8 +377,9 @@ def candidates(example: Example, methods: Sequence[str], budgets: Sequence[float
         found += compile_settings(example, ratios)
     if "planner" in methods:
         log("  planning")
-        found += [planner_at(posed, int(share * eager_peak), f"{share:.0%} of eager") for share in budgets]
-        found += [planner_at(posed, c.peak_bytes, c.label, compile_it=c.compiled)
+        planned = functools.partial(planner_at, posed, solve_seconds=solve_seconds)
+        found += [planned(int(share * eager_peak), f"{share:.0%} of eager") for share in budgets]
+        found += [planned(c.peak_bytes, c.label, compile_it=c.compiled)
                   for c in list(found) if c.method != "planner" and c.method != "eager" and c.peak_bytes]
     return found
 
@@ -374,11 +399,12 @@ def benchmark_model(name: str, *, size: str = "test", **options) -> list[Row]:
 
 def benchmark_example(example: Example, *, methods: Sequence[str] = METHODS, repeats: int = 7,
                       budgets: Sequence[float] = BUDGETS, ratios: Sequence[float] = COMPILE_RATIOS,
-                      profile_repeats: int = 3, log: Callable[[str], None] = lambda line: None) -> list[Row]:
+                      profile_repeats: int = 3, log: Callable[[str], None] = lambda line: None,
+                      granularity: str = GRANULARITY, solve_seconds: float | None = SOLVE_SECONDS) -> list[Row]:
     """Every method on ``example``, measured and timed interleaved: one row each."""
     name = example.name
     with compile_config():
-        found = candidates(example, methods, budgets, ratios, profile_repeats, log)
+        found = candidates(example, methods, budgets, ratios, profile_repeats, log, granularity, solve_seconds)
         runnable = {i: c.step for i, c in enumerate(found) if c.step is not None}  # found[0] is eager
         log(f"  timing {len(runnable)} methods x {repeats} rounds")
         seconds = interleaved_rounds(runnable, repeats)
@@ -528,7 +554,7 @@ def _predicted_gap(planned: Row) -> str:
     if mine is None or hand is None or hand <= 0:
         return ""
     return (f". The cost model predicted {mine:.1%} for the plan and {hand:.1%} for the best hand placement over "
-            f"the planner's stages ({1 - mine / hand:.0%} smaller): what the schedule space offers on this machine")
+            f"whole blocks ({1 - mine / hand:.0%} smaller): what the schedule space offers on this machine")
 
 
 def summary(rows: Sequence[Row]) -> str:
@@ -617,6 +643,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--compile-ratios", nargs="*", type=float, default=list(COMPILE_RATIOS),
                         help="torch._functorch.config.activation_memory_budget values")
     parser.add_argument("--profile-repeats", type=int, default=3)
+    parser.add_argument("--granularity", default=GRANULARITY, choices=[g.value for g in Granularity],
+                        help="where the planner may cut stages (chen_sqrt and the hand placements use blocks)")
+    parser.add_argument("--solve-seconds", type=float, default=SOLVE_SECONDS, help="the solver's limit per plan")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch intra-op threads (1 steadies timings on a machine shared with other work)")
     parser.add_argument("--quick", action="store_true",
@@ -626,6 +655,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.quick:
         args.models, args.methods, args.repeats, args.profile_repeats = ["largeblock"], ["eager", "uniform",
                                                                                         "planner"], 1, 1
+        args.granularity = "block"
     if args.out is None and not args.quick:
         args.out = OUT
     if HALF not in args.budgets:
@@ -640,7 +670,8 @@ def main(argv=None) -> list[Row]:
     log = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
     header = (f"Machine: {machine()}.\n\nSize `{args.size}`, {args.repeats} interleaved rounds (time ratios are "
               f"per round, against eager's step in the same round), budgets {args.budgets} of the eager peak, "
-              f"activation_memory_budget {args.compile_ratios}. Command: `python -m benchmarks.run "
+              f"activation_memory_budget {args.compile_ratios}, planner stages cut at granularity "
+              f"`{args.granularity}`, each solve limited to {args.solve_seconds:g} s. Command: `python -m benchmarks.run "
               f"{' '.join(argv if argv is not None else sys.argv[1:])}`.")
     rows: list[Row] = []
     for name in args.models:
@@ -648,7 +679,8 @@ def main(argv=None) -> list[Row]:
         start = time.perf_counter()
         rows += benchmark_model(name, size=args.size, methods=args.methods, repeats=args.repeats,
                                 budgets=args.budgets, ratios=args.compile_ratios,
-                                profile_repeats=args.profile_repeats, log=log)
+                                profile_repeats=args.profile_repeats, log=log, granularity=args.granularity,
+                                solve_seconds=args.solve_seconds)
         log(f"  {time.perf_counter() - start:.0f} s")
         if args.out:
             with open(args.out, "w") as f:  # after each model, so a long run leaves what it has

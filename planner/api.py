@@ -28,8 +28,8 @@ from .capture import CapturedGraph, autocast_state, capture, input_signature, mu
 from .devices import DeviceSpec, device_spec
 from .meta import device_type_of, target_kernels
 from .timing import AnalyticStopwatch, stopwatch_for
-from .costmodel import (add_checkpoint_overheads, build_problem, calibrate, is_random, partition_stages,
-                        scale_seconds, spread)
+from .costmodel import (Granularity, add_checkpoint_overheads, build_problem, calibrate, granularity_of, is_random,
+                        partition_stages, refinement, scale_seconds, spread)
 from .errors import InfeasibleBudgetError, PlannerError
 from .plan import Plan, SolverStatus, budget_for_usable, usable_bytes
 from .problem import Problem, Region, Schedule, simulate
@@ -136,20 +136,25 @@ def _device_of(model: torch.nn.Module) -> str:
 @dataclass(frozen=True)
 class Posed:
     """A planning problem and where its numbers came from: ``timing`` names the stopwatch ("wall_clock",
-    "cuda_events", "analytic:h100"), ``measured`` the eager step's stage measurements."""
+    "cuda_events", "analytic:h100"), ``measured`` the eager step's stage measurements, ``granularity`` where the
+    stages were cut, ``block_ranges`` the ``[start, stop)`` of the stages of each whole-block stage (None when the
+    finer stages do not nest in the blocks): what maps a schedule of block checkpoints onto these stages."""
 
     problem: Problem
     stage_nodes: tuple[tuple[str, ...], ...]
     timing: str
     measured: StageMeasurement
+    granularity: Granularity = Granularity.BLOCK
+    block_ranges: tuple[tuple[int, int], ...] | None = None
 
 
 def pose_problem(captured: CapturedGraph, *, loss_fn: Callable | None = None, optimizer=None, ddp: bool = False,
                  max_stages: int = 64, profile_repeats: int = 3, hold_outputs: bool = True,
-                 device: str | DeviceSpec | None = None) -> tuple[Problem, tuple[tuple[str, ...], ...]]:
+                 device: str | DeviceSpec | None = None,
+                 granularity: str | Granularity = Granularity.BLOCK) -> tuple[Problem, tuple[tuple[str, ...], ...]]:
     """Profile ``captured`` and pose the planning problem; also returns the node names of each stage."""
     posed = pose(captured, loss_fn=loss_fn, optimizer=optimizer, ddp=ddp, max_stages=max_stages,
-                 profile_repeats=profile_repeats, hold_outputs=hold_outputs, device=device)
+                 profile_repeats=profile_repeats, hold_outputs=hold_outputs, device=device, granularity=granularity)
     return posed.problem, posed.stage_nodes
 
 
@@ -160,12 +165,14 @@ def captured_device_type(captured: CapturedGraph) -> str:
 
 def pose(captured: CapturedGraph, *, loss_fn: Callable | None = None, optimizer=None, ddp: bool = False,
          max_stages: int = 64, profile_repeats: int = 3, hold_outputs: bool = True,
-         device: str | DeviceSpec | None = None, sharding: fsdp.Sharding | None = None) -> Posed:
+         device: str | DeviceSpec | None = None, sharding: fsdp.Sharding | None = None,
+         granularity: str | Granularity = Granularity.BLOCK) -> Posed:
     """Profile ``captured`` and pose the planning problem, timed for ``device`` (a name or a
     :class:`~planner.devices.DeviceSpec`: analytic times) or, without it, measured where the tensors are.
     The optimizer's state and, with ``ddp``, DDP's gradient buckets count as fixed memory; with ``sharding`` (the
     model's ``fully_shard`` units, profiled gathered) each sharded parameter and gradient counts at its shard's
-    size."""
+    size. ``granularity`` says where stages may be cut (see :class:`~planner.costmodel.Granularity`)."""
+    cut_at = granularity_of(granularity)
     spec = device_spec(device) if device is not None else None
     device_type = captured_device_type(captured)
     stopwatch = stopwatch_for(device_type, spec)
@@ -173,7 +180,8 @@ def pose(captured: CapturedGraph, *, loss_fn: Callable | None = None, optimizer=
     profile = profile_graph(captured, repeats=profile_repeats, stopwatch=stopwatch, kernels=kernels)
     if sharding is not None:
         profile = fsdp.per_rank_profile(profile, captured.graph_module, sharding)
-    stages = partition_stages(profile, max_stages=max_stages)
+    stages = partition_stages(profile, max_stages=max_stages, granularity=cut_at)
+    block_ranges = refinement(partition_stages(profile, max_stages=max_stages), stages)
     # never cached: random ops (the recomputation must draw the same numbers) and outputs later written in place
     random_nodes = {n.name for n in captured.compute_nodes() if is_random(n)} | mutated_nodes(captured.graph_module)
     problem = build_problem(profile, stages, random_nodes=random_nodes,
@@ -189,7 +197,7 @@ def pose(captured: CapturedGraph, *, loss_fn: Callable | None = None, optimizer=
     problem = calibrate(problem, measured)
     if profile_repeats > 0 and not isinstance(stopwatch, AnalyticStopwatch):  # the roofline has no hook costs
         problem = _calibrate_checkpoint_overheads(captured, problem, stage_nodes, loss_fn, profile_repeats)
-    return Posed(problem, stage_nodes, stopwatch.name, measured)
+    return Posed(problem, stage_nodes, stopwatch.name, measured, cut_at, block_ranges)
 
 
 # Calibration rounds go on (up to CALIBRATION_ROUNDS times the profile repeats, within CALIBRATION_SECONDS) until
@@ -343,14 +351,15 @@ def _plan_captured(model, captured: CapturedGraph, budget, *, loss_fn, optimizer
                    ddp: bool = False,
                    profile_repeats: int, solver_options: dict | None, hold_outputs: bool = True,
                    device: str | DeviceSpec | None = None, allocator_margin: float | None = None,
-                   posed: Posed | None = None) -> Planned:
+                   posed: Posed | None = None, granularity: str | Granularity = Granularity.BLOCK) -> Planned:
     spec = device_spec(device) if device is not None else None
     device_type = captured_device_type(captured)
     parsed = device_budget(budget, spec, device_type)
     margin = allocator_margin_for(allocator_margin, spec, device_type)
     posed = posed or pose(captured, loss_fn=loss_fn, optimizer=optimizer, ddp=ddp, max_stages=max_stages,
-                          profile_repeats=profile_repeats, hold_outputs=hold_outputs, device=spec)
-    problem = posed.problem
+                          profile_repeats=profile_repeats, hold_outputs=hold_outputs, device=spec,
+                          granularity=granularity)
+    problem, posed_granularity = posed.problem, posed.granularity
     eager = simulate(problem, Schedule.store_all(problem.num_stages)).peak_bytes
     budget_bytes = parsed.resolve(eager)
     _check_fits(parsed, budget_bytes, spec)
@@ -361,7 +370,9 @@ def _plan_captured(model, captured: CapturedGraph, budget, *, loss_fn, optimizer
     measured = posed.measured
     extra = tuple((k, v) for k, v in (("measured_device_peak_bytes", measured.device_peak_bytes),
                                       ("measured_device_reserved_bytes", measured.device_reserved_bytes),
-                                      ("ddp_bucket_bytes", ddp_bucket_bytes(captured.graph_module) if ddp else None))
+                                      ("ddp_bucket_bytes", ddp_bucket_bytes(captured.graph_module) if ddp else None),
+                                  ("granularity", None if posed_granularity is Granularity.BLOCK
+                                   else posed_granularity.value))
                   if v is not None)
     result = dataclasses.replace(result, budget_bytes=budget_bytes, budget_text=parsed.text,
                                  stage_nodes=posed.stage_nodes, fingerprint=fingerprint(captured),
@@ -380,7 +391,8 @@ def plan(model: torch.nn.Module, budget: int | str | None, example_inputs: Any =
          example_kwargs: dict | None = None, optimizer: torch.optim.Optimizer | None = None, solver: str = "auto",
          loss_fn: Callable | None = None, max_stages: int = 64, profile_repeats: int = 3,
          solver_options: dict | None = None, hold_outputs: bool = True, device: str | DeviceSpec | None = None,
-         allocator_margin: float | None = None, ddp: bool = False) -> Plan:
+         allocator_margin: float | None = None, ddp: bool = False,
+         granularity: str | Granularity = Granularity.BLOCK) -> Plan:
     """Plan ``model`` under ``budget`` without rewriting it; see :func:`optimize` for the arguments.
 
     A model built under ``with torch.device("meta"):`` (inputs made with ``device="meta"``) is planned without
@@ -393,7 +405,8 @@ def plan(model: torch.nn.Module, budget: int | str | None, example_inputs: Any =
     device_type_of(model, (example_inputs, example_kwargs))  # one device, or say how to get there
     options = dict(loss_fn=loss_fn, optimizer=optimizer, solver=solver, max_stages=max_stages,
                    profile_repeats=profile_repeats, solver_options=solver_options, hold_outputs=hold_outputs,
-                   device=device, allocator_margin=allocator_margin, ddp=ddp)
+                   device=device, allocator_margin=allocator_margin, ddp=ddp,
+                   granularity=granularity_of(granularity))
     sharding = fsdp.sharding_of(model)
     if sharding is not None:
         return _plan_sharded(model, _as_args(example_inputs), dict(example_kwargs or {}), sharding, budget,
@@ -402,7 +415,8 @@ def plan(model: torch.nn.Module, budget: int | str | None, example_inputs: Any =
     return _plan_captured(model, captured, budget, **options).plan
 
 
-_POSE_OPTIONS = ("loss_fn", "optimizer", "ddp", "max_stages", "profile_repeats", "hold_outputs", "device")
+_POSE_OPTIONS = ("loss_fn", "optimizer", "ddp", "max_stages", "profile_repeats", "hold_outputs", "device",
+                 "granularity")
 
 
 def _plan_sharded(model: torch.nn.Module, args: tuple, kwargs: dict, sharding: fsdp.Sharding, budget,
@@ -532,7 +546,7 @@ class OptimizedModule(torch.nn.Module):
         shed = max(0, recorded.eager_peak_bytes - budget_bytes)
         part_options = {**options, "loss_fn": None, "hold_outputs": True}  # the rest of the model holds outputs
         pose_options = {k: part_options[k] for k in ("loss_fn", "optimizer", "ddp", "max_stages",
-                                                     "profile_repeats", "hold_outputs")}
+                                                     "profile_repeats", "hold_outputs", "granularity")}
         posed = {path: pose(captured, **pose_options) for path, captured in found.items()}
         can_shed = {path: simulate(p.problem, Schedule.store_all(p.problem.num_stages)).peak_bytes
                     - solvers.minimum_peak(p.problem) for path, p in posed.items()}  # the most each part saves
@@ -614,7 +628,8 @@ def optimize(model: torch.nn.Module, budget: int | str | None, example_inputs: A
              solver: str = "auto", loss_fn: Callable | None = None, max_stages: int = 64,
              profile_repeats: int = 3, solver_options: dict | None = None,
              hold_outputs: bool = True, device: str | DeviceSpec | None = None,
-             allocator_margin: float | None = None, ddp: bool = False) -> OptimizedModule:
+             allocator_margin: float | None = None, ddp: bool = False,
+             granularity: str | Granularity = Granularity.BLOCK) -> OptimizedModule:
     """Return a module that trains ``model``'s own parameters within ``budget`` with the least recomputation.
 
     Parameters
@@ -642,6 +657,10 @@ def optimize(model: torch.nn.Module, budget: int | str | None, example_inputs: A
         (``device`` given or the model on CUDA), 0 on the CPU. Recorded in the plan.
     ddp : the module will train under ``DistributedDataParallel``: its gradient buckets (one more copy of the
         gradients) count into the per-rank budget. Recorded in the plan's ``extra``.
+    granularity : where checkpoints may go: around whole repeated blocks (``"block"``, the default, as
+        ``gradient_checkpointing_enable`` places them), around the blocks' layers (``"layer"``: attention, MLP,
+        norms) or around the layers' modules (``"sublayer"``). Finer cuts let a tight budget recompute only the
+        parts of a block that free the most memory per second; they make more stages, so solving takes longer.
 
     Under FSDP2, ``fully_shard`` the blocks and then the model (or the module this returns), before or after this
     call: the plan is made for this rank's share (a sharded model plans again on its first call; without
@@ -650,7 +669,8 @@ def optimize(model: torch.nn.Module, budget: int | str | None, example_inputs: A
     """
     options = dict(loss_fn=loss_fn, optimizer=optimizer, solver=solver, max_stages=max_stages,
                    profile_repeats=profile_repeats, solver_options=solver_options, hold_outputs=hold_outputs,
-                   device=device, allocator_margin=allocator_margin, ddp=ddp)
+                   device=device, allocator_margin=allocator_margin, ddp=ddp,
+                   granularity=granularity_of(granularity))
     if budget is not None:
         parse_budget(budget)  # fail early on a malformed budget
     optimized = OptimizedModule(model, budget, planner_options=options)
@@ -684,6 +704,8 @@ def apply(model: torch.nn.Module, plan: Plan, example_inputs: Any = None, *,
     optimized = OptimizedModule(model, _replannable_budget(plan),
                                 planner_options=dict(loss_fn=None, optimizer=None, solver=plan.solver,
                                                      max_stages=64, profile_repeats=3, solver_options=None,
-                                                     ddp=dict(plan.extra).get("ddp_bucket_bytes") is not None))
+                                                     ddp=dict(plan.extra).get("ddp_bucket_bytes") is not None,
+                                                     granularity=granularity_of(
+                                                         dict(plan.extra).get("granularity", "block"))))
     optimized.add_plan(Planned(captured, None, plan))
     return optimized

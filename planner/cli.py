@@ -42,6 +42,7 @@ from .api import allocator_margin_for, captured_device_type, device_budget, fing
 from .budget import Budget, format_bytes, parse_budget
 from .devices import device_spec
 from .capture import CapturedGraph, capture
+from .costmodel import Granularity
 from .errors import InfeasibleBudgetError, PlannerError
 from .explain import explain
 from .plan import Plan, budget_for_usable, usable_bytes
@@ -200,6 +201,7 @@ class Session:
     timing: str = "wall_clock"
     allocator_margin: float = 0.0
     solver_options: dict = dataclasses.field(default_factory=dict)  # time limit and progress for auto, dp, ilp
+    granularity: Granularity = Granularity.BLOCK
 
     def usable(self, budget_bytes: int) -> int:
         """What a plan may use of ``budget_bytes``: the budget less the allocator margin."""
@@ -217,7 +219,9 @@ class Session:
                                    stage_nodes=self.stage_nodes, fingerprint=fingerprint(self.captured),
                                    torch_version=torch.__version__,
                                    device=first.device.type if first is not None else "cpu", timing=self.timing,
-                                   allocator_margin=self.allocator_margin)
+                                   allocator_margin=self.allocator_margin,
+                                   extra=plan.extra + ((("granularity", self.granularity.value),)
+                                                       if self.granularity is not Granularity.BLOCK else ()))
 
 
 def open_session(args: argparse.Namespace, progress: Progress) -> Session:
@@ -228,7 +232,8 @@ def open_session(args: argparse.Namespace, progress: Progress) -> Session:
         captured = capture(model, inputs, kwargs)
     timed = f"analytic times for {args.device}" if args.device else f"{args.profile_repeats} timed run(s)"
     with progress.step(f"profiling ({timed})"), quiet_torch():
-        posed = pose(captured, max_stages=args.max_stages, profile_repeats=args.profile_repeats, device=args.device)
+        posed = pose(captured, max_stages=args.max_stages, profile_repeats=args.profile_repeats, device=args.device,
+                     granularity=args.granularity)
     problem = posed.problem
     eager = simulate(problem, Schedule.store_all(problem.num_stages)).peak_bytes
     margin = allocator_margin_for(args.allocator_margin, device_spec(args.device) if args.device else None,
@@ -238,7 +243,8 @@ def open_session(args: argparse.Namespace, progress: Progress) -> Session:
     options: dict = {"time_limit": args.time_limit}
     if args.solver_progress and progress.enabled:
         options["progress"] = lambda line: progress.note(line)
-    return Session(model, captured, problem, posed.stage_nodes, eager, posed.timing, margin, options)
+    return Session(model, captured, problem, posed.stage_nodes, eager, posed.timing, margin, options,
+                   posed.granularity)
 
 
 def _infeasible(budget: Budget, budget_bytes: int, minimum: int | None, why: str) -> InfeasibleBudgetError:
@@ -441,6 +447,9 @@ def _common(model: bool) -> _Parser:
                                  "package.module:FACTORY works too")
         parent.add_argument("--profile-repeats", type=int, default=3, metavar="N", help="timed profiling runs")
         parent.add_argument("--max-stages", type=int, default=64, metavar="N", help="cut the model into at most N")
+        parent.add_argument("--granularity", choices=[g.value for g in Granularity], default="block",
+                            help="where checkpoints may go: around whole blocks (default), their layers "
+                                 "(attention, MLP, norms) or the layers' modules; finer solves slower")
         parent.add_argument("--json", action="store_true", help="print machine-readable JSON on stdout")
         parent.add_argument("--device", metavar="GPU", type=_device_name,
                             help="plan for this GPU (h100, h200, a100, l4, rtx4090) with its roofline times; "

@@ -29,6 +29,7 @@
 from __future__ import annotations
 
 import dataclasses
+import enum
 import heapq
 import re
 from collections import Counter
@@ -37,6 +38,7 @@ from typing import Callable, Sequence
 
 import torch.fx as fx
 
+from .errors import PlannerError
 from .problem import Phase, Problem, RecomputeOption, Schedule, Stage, TensorInfo, keeps, simulate
 from .profile import GraphProfile, NodeProfile, StageMeasurement
 
@@ -91,25 +93,70 @@ def _weight(run: Sequence[NodeProfile]) -> int:
     return sum(n.flops + n.created_bytes for n in run)
 
 
-def partition_stages(profile: GraphProfile, *, max_stages: int = 64, min_share: float = 0.25) -> list[StageSpec]:
-    """Group nodes into stages: one per repeated block, light runs merged into neighbours, the tail after the last
-    block a stage of its own (see :func:`_tail_start`), no cut between a value and an in-place write to it (see
-    :func:`_respect_in_place_writes`), at most ``max_stages``."""
+class Granularity(enum.Enum):
+    """Where stages may be cut, and so which checkpoints a plan can place: around whole repeated blocks
+    (``transformer.h.3``), around their layers (``transformer.h.3.attn``, ``.mlp``, the norms and the residual
+    adds between them), or around the layers' own modules (``transformer.h.3.mlp.c_fc``, ``.act``).
+
+    Finer cuts let a plan recompute the part of a block that frees the most memory for the least time (the MLP's
+    activation, attention's scores) and keep the rest; the problem has more stages, so it takes longer to solve.
+
+    >>> Granularity("layer").levels_below_block
+    1
+    """
+
+    BLOCK = "block"
+    LAYER = "layer"
+    SUBLAYER = "sublayer"
+
+    @property
+    def levels_below_block(self) -> int:
+        return list(Granularity).index(self)
+
+
+def granularity_of(value: str | Granularity) -> Granularity:
+    """``value`` as a :class:`Granularity`, or a :class:`~planner.errors.PlannerError` naming the choices.
+
+    >>> granularity_of("layer") is Granularity.LAYER
+    True
+    >>> granularity_of("op")
+    Traceback (most recent call last):
+    ...
+    planner.errors.PlannerError: unknown granularity 'op'. Hint: choose one of block, layer, sublayer
+    """
+    try:
+        return Granularity(value)
+    except ValueError:
+        raise PlannerError(f"unknown granularity {value!r}",
+                           hint=f"choose one of {', '.join(g.value for g in Granularity)}") from None
+
+
+def partition_stages(profile: GraphProfile, *, max_stages: int = 64, min_share: float = 0.25,
+                     granularity: Granularity = Granularity.BLOCK) -> list[StageSpec]:
+    """Group nodes into stages: one per repeated block (or per layer of one, by ``granularity``), light runs merged
+    into neighbours, the tail after the last block a stage of its own (see :func:`_tail_start`), no cut between a
+    value and an in-place write to it (see :func:`_respect_in_place_writes`), at most ``max_stages``.
+
+    Below the blocks, a run lighter than ``min_share`` of the typical one inside a block (a residual add, a view)
+    joins the run before it."""
     nodes = list(profile.nodes)
     container = _block_container([n.module_path for n in nodes])
     if container is not None:
-        depth = len(container.split(".")) + 1 if container else 1
+        block_depth = len(container.split(".")) + 1 if container else 1
     else:
-        depth = max(range(1, 8), key=lambda d: min(len(_runs(nodes, d)), max_stages))
+        block_depth = max(range(1, 8), key=lambda d: min(len(_runs(nodes, d)), max_stages))
+    depth = block_depth + granularity.levels_below_block
     runs = _runs(nodes, depth)
     block_pattern = re.compile(rf"^{re.escape(container)}\.\d+$") if container else None
-    is_block = [block_pattern is not None and bool(block_pattern.match(_key(r[0].module_path, depth))) for r in runs]
+    is_block = [block_pattern is not None and bool(block_pattern.match(_key(r[0].module_path, block_depth)))
+                for r in runs]
     weights = sorted(_weight(r) for r, block in zip(runs, is_block) if block or not any(is_block))
     typical = weights[len(weights) // 2] if weights else 0.0
     tail = _tail_start(runs, is_block)
+    whole_blocks = granularity is Granularity.BLOCK
 
     def is_light(i: int) -> bool:
-        return not is_block[i] and i != tail and _weight(runs[i]) < min_share * typical
+        return not (is_block[i] and whole_blocks) and i != tail and _weight(runs[i]) < min_share * typical
 
     merged: list[list[NodeProfile]] = []
     pending: list[NodeProfile] = []
@@ -128,6 +175,28 @@ def partition_stages(profile: GraphProfile, *, max_stages: int = 64, min_share: 
     merged = _merge_lightest_pairs(_respect_in_place_writes(merged), max_stages)
     return [StageSpec(_tail_name(run, depth) if run[-1].name in tail_nodes and run[0].name in tail_nodes
                       else _stage_name(run, depth), tuple(n.name for n in run)) for run in merged]
+
+
+def refinement(coarse: Sequence[StageSpec], fine: Sequence[StageSpec]) -> tuple[tuple[int, int], ...] | None:
+    """For each of the ``coarse`` stages, the ``[start, stop)`` range of the ``fine`` stages that make it up; None
+    when a fine stage straddles a coarse boundary (the same nodes, cut in other places).
+
+    >>> spec = lambda *nodes: StageSpec("", nodes)
+    >>> refinement([spec("a", "b"), spec("c")], [spec("a"), spec("b"), spec("c")])
+    ((0, 2), (2, 3))
+    >>> refinement([spec("a", "b"), spec("c")], [spec("a"), spec("b", "c")]) is None
+    True
+    """
+    ranges, position = [], 0
+    for stage in coarse:
+        start, covered = position, 0
+        while covered < len(stage.nodes) and position < len(fine):
+            covered += len(fine[position].nodes)
+            position += 1
+        if covered != len(stage.nodes) or [n for f in fine[start:position] for n in f.nodes] != list(stage.nodes):
+            return None
+        ranges.append((start, position))
+    return tuple(ranges) if position == len(fine) else None
 
 
 def _tail_start(runs: Sequence[Sequence[NodeProfile]], is_block: Sequence[bool]) -> int | None:

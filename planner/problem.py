@@ -52,7 +52,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Iterable, Sequence
 
 
 @dataclass(frozen=True)
@@ -200,6 +200,17 @@ class Schedule:
     @classmethod
     def from_segments(cls, segments: Iterable[tuple[int, int]]) -> "Schedule":
         return cls(tuple(Region(a, b) for a, b in segments))
+
+    def refined(self, ranges: Sequence[tuple[int, int]]) -> "Schedule":
+        """This schedule over coarse stages, as one over the finer stages that make them up: ``ranges[k]`` is the
+        ``[start, stop)`` of coarse stage ``k``'s fine stages. Only for schedules that recompute whole stages.
+
+        >>> Schedule.from_segments([(0, 1), (1, 3)]).refined([(0, 2), (2, 5), (5, 6), (6, 8)]).regions
+        (Region(start=0, stop=2, options=()), Region(start=2, stop=6, options=()))
+        """
+        if any(any(r.options) for r in self.regions):
+            raise ValueError("only a schedule that recomputes whole stages maps onto finer stages")
+        return Schedule(tuple(Region(ranges[r.start][0], ranges[r.stop - 1][1]) for r in self.regions))
 
     def region_index(self, num_stages: int) -> list[int | None]:
         owner: list[int | None] = [None] * num_stages

@@ -89,6 +89,17 @@ def test_plan_then_apply_round_trips_through_json(model):
         planner.apply(model, planner.Plan.from_json(json.dumps(data)), (X,))
 
 
+def test_a_plan_cut_inside_the_blocks_records_its_granularity_and_applies(model):
+    plan = planner.plan(model, "50%", (X,), loss_fn=_loss, profile_repeats=1, granularity="layer")
+    assert len(plan.stage_names) > len(model.layers) and dict(plan.extra)["granularity"] == "layer"
+    again = planner.Plan.from_json(plan.to_json())
+    opt = planner.apply(model, again, (X,))
+    assert opt._options["granularity"] is planner.api.Granularity.LAYER  # a new input shape plans alike
+    assert_same_training(training_step(model, lambda m: _loss(m(X)), (X,)),
+                         training_step(opt, lambda m: _loss(m(X)), (X,), owner=model))
+    assert "granularity" not in dict(planner.plan(model, "50%", (X,), loss_fn=_loss, profile_repeats=1).extra)
+
+
 def test_optimizer_state_counts_into_the_budget(model):
     plain = planner.plan(model, "100%", (X,), loss_fn=_loss, profile_repeats=1)
     adam = planner.plan(model, "100%", (X,), loss_fn=_loss, profile_repeats=1,
@@ -128,6 +139,7 @@ def test_impossible_budget_names_the_smallest_feasible_one(model):
 @pytest.mark.parametrize("kwargs, fragment", [
     (dict(budget="lots"), "not a size"),
     (dict(budget="8GB", solver="magic"), "magic"),
+    (dict(budget="8GB", granularity="op"), "granularity 'op'.*block, layer, sublayer"),
 ])
 def test_bad_arguments_raise_planner_error(model, kwargs, fragment):
     with pytest.raises(PlannerError, match=fragment):

@@ -75,6 +75,7 @@ IN_PROCESS = {  # the same checks through cli.main, without a torch import each
     "meta_without_device": ["plan", "factory.py:on_meta", "--budget", "1GB", "-q"],
     "no_budget": ["plan", "factory.py:build", "-q"],
     "unknown_device": ["plan", "factory.py:build", "--device", "v100", "-q"],
+    "layer": ["plan", "factory.py:build", "--budget", "50%", "--granularity", "layer", "--json", "-q", *QUICK],
 }
 
 
@@ -270,6 +271,14 @@ def test_device_plans_a_meta_model_for_a_gpu_it_does_not_have(runs):
     assert plan.timing == "analytic:l4" and plan.device == "meta" and plan.budget_text == "l4 memory"
     assert plan.allocator_margin == 0.05 and plan.eager_peak_bytes > plan.budget_bytes  # 4 x 2 GiB activations
     assert plan.regions and plan.predicted_peak_bytes <= plan.planned_budget_bytes
+
+
+def test_granularity_cuts_inside_the_blocks_and_is_recorded(runs):
+    run = runs["layer"]
+    assert run.code == 0, run.stderr
+    plan = Plan.from_dict(json.loads(run.stdout))
+    assert len(plan.stage_names) > 4 and dict(plan.extra)["granularity"] == "layer"
+    assert plan.predicted_peak_bytes <= plan.budget_bytes
 
 
 def test_solver_progress_and_time_limit_reach_the_solver(tmp_path, monkeypatch, capsys):

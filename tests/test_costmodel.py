@@ -2,7 +2,8 @@ import pytest
 import torch
 
 from planner.capture import capture
-from planner.costmodel import build_problem, calibrate, is_random, partition_stages, recompute_options
+from planner.costmodel import (Granularity, build_problem, calibrate, is_random, partition_stages,
+                               recompute_options, refinement)
 from planner.problem import Schedule, simulate
 from planner.profile import measure_stages, profile_graph
 from tests.helpers import NoGradInside, training_step
@@ -42,6 +43,19 @@ def test_stages_follow_the_repeated_blocks(tower):
     assert [s.name for s in stages] == [f"blocks.{i}" for i in range(4)] + ["head"]
     assert sum(len(s.nodes) for s in stages) == len(profile.nodes)
     assert len(partition_stages(profile, max_stages=2)) == 2
+
+
+@pytest.mark.parametrize("granularity", [Granularity.LAYER, Granularity.SUBLAYER])
+def test_finer_stages_cut_the_blocks_and_keep_their_boundaries(tower, granularity):
+    _, _, _, profile = tower
+    blocks = partition_stages(profile)
+    finer = partition_stages(profile, granularity=granularity)
+    assert [n for s in finer for n in s.nodes] == [n.name for n in profile.nodes]
+    assert len(finer) > len(blocks)
+    ranges = refinement(blocks, finer)  # every block boundary is still a stage boundary
+    assert ranges is not None and ranges[0][0] == 0 and ranges[-1][1] == len(finer)
+    assert refinement(finer, blocks) is None
+    assert {s.name for s in finer} >= {"blocks.0.0", "blocks.0.3", "head"}  # the linears; GELU and dropout join
 
 
 class Tail(torch.nn.Module):

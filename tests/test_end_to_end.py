@@ -67,3 +67,27 @@ def test_plan_at_uniform_memory_recomputes_no_more_than_uniform(posed):
     measured = _step(example, planned_module(captured, plan, stage_nodes))
     assert measured.peak_bytes <= budget
     assert_same_training(eager, measured)
+
+
+def test_plans_cut_inside_the_blocks_fit_predict_memory_and_train_exactly():
+    """At ``granularity="layer"`` a stage is a block's attention, MLP or norm; plans still fit, predict their peak
+    and reproduce eager training (GPT-2: dropout inside attention and the MLP)."""
+    example = build_example("gpt2", size="test")
+    captured = capture(example.model, example.example_inputs, example.example_kwargs)
+    problem, stage_nodes = pose_problem(captured, loss_fn=example.loss_fn, profile_repeats=1, hold_outputs=False,
+                                        granularity="layer")
+    assert any(name.endswith(".mlp") for name in (s.name for s in problem.stages))
+    eager = training_step(example.model, example.run, example.example_inputs)
+    smallest = solvers.minimum_peak(problem)
+    eager_peak = simulate(problem, Schedule.store_all(problem.num_stages)).peak_bytes
+    budget = (smallest + eager_peak) // 2
+    plan = solvers.solve(problem, budget, method="auto", time_limit=10)
+    recomputed = {k for r in plan.schedule.regions for k in range(r.start, r.stop)}
+    blocks = {}
+    for k, stage in enumerate(problem.stages):
+        blocks.setdefault(".".join(stage.name.split(".")[:3]), set()).add(k)
+    assert any(0 < len(ks & recomputed) < len(ks) for ks in blocks.values())  # parts of blocks recomputed
+    result = _step(example, planned_module(captured, plan, stage_nodes))
+    assert result.peak_bytes <= budget
+    assert plan.predicted_peak_bytes == pytest.approx(result.peak_bytes, rel=0.05)
+    assert_same_training(eager, result)

@@ -66,7 +66,15 @@ def chen_sqrt(problem: Problem) -> Schedule:
     >>> [(r.start, r.stop) for r in chen_sqrt(problem).regions]
     [(0, 4), (4, 8)]
     """
-    n = problem.num_stages
+    return chen_sqrt_of(problem.num_stages)
+
+
+def chen_sqrt_of(n: int) -> Schedule:
+    """:func:`chen_sqrt` for ``n`` stages.
+
+    >>> chen_sqrt_of(6).regions
+    (Region(start=0, stop=3, options=()),)
+    """
     if n == 0:
         return Schedule()
     size = math.ceil(math.sqrt(n))
