@@ -11,13 +11,14 @@ slower on the example models), so the overhead a user sees against their own mod
 both are printed.
 
     python -m benchmarks.fidelity [--size test|demo] [--repeats 15] [--profile-repeats 3] [--threads N]
+                                  [--granularity block|layer|sublayer] [--solve-seconds S]
                                   [--out benchmarks/FIDELITY.md] [models...]
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
+import dataclasses  # noqa: F401 (the doctests use it)
 import functools
 import statistics
 import sys
@@ -32,8 +33,9 @@ from planner import solvers
 from planner.api import planned_module, pose_problem
 from planner.budget import format_bytes
 from planner.capture import capture
+from planner.costmodel import Granularity
 from planner.problem import Schedule, simulate
-from planner.timing import interleaved_rounds, median_standard_error, paired_ratios
+from planner.timing import Estimate, interleaved_rounds, paired_ratios
 
 POINTS = (0.0, 0.25, 0.5, 0.75, 1.0)
 OVERHEAD_TOLERANCE = 0.2  # issue 4: predicted overhead within 20% of measured
@@ -84,18 +86,20 @@ class FidelityRow:
         return gap <= tolerance * abs(self.overhead_vs_graph) + 2 * self.overhead_standard_error
 
 
-def rows_for(name: str, size: str, repeats: int, profile_repeats: int = 3) -> list[FidelityRow]:
+def rows_for(name: str, size: str, repeats: int, profile_repeats: int = 3, granularity: str = "block",
+             solve_seconds: float | None = None) -> list[FidelityRow]:
     example = build_example(name, size=size)
     started = time.perf_counter()
     captured = capture(example.model, example.example_inputs, example.example_kwargs)
     problem, stage_nodes = pose_problem(captured, loss_fn=example.loss_fn, hold_outputs=False,
-                                        profile_repeats=profile_repeats)
+                                        profile_repeats=profile_repeats, granularity=granularity)
     planning_seconds = time.perf_counter() - started
     eager_peak = simulate(problem, Schedule.store_all(problem.num_stages)).peak_bytes
     smallest = solvers.minimum_peak(problem)
     plans = {}
     for point in POINTS:
-        plan = solvers.solve(problem, int(smallest + point * (eager_peak - smallest)))
+        plan = solvers.solve(problem, int(smallest + point * (eager_peak - smallest)),
+                             **({} if solve_seconds is None else {"time_limit": solve_seconds}))
         plans[f"{point:.0%}"] = plan
     modules = {"model": example.model, "graph": captured.graph_module,
                **{k: planned_module(captured, p, stage_nodes) for k, p in plans.items()}}
@@ -104,10 +108,10 @@ def rows_for(name: str, size: str, repeats: int, profile_repeats: int = 3) -> li
     rows = []
     for key, plan in plans.items():
         peak, _ = example.measured_step(modules[key])
+        vs_graph = Estimate.of(paired_ratios(samples, key, "graph"))
         rows.append(FidelityRow(name, key, plan.budget_bytes, plan.predicted_peak_bytes, peak,
-                                plan.predicted_overhead, paired_overhead(samples, key, "graph"),
-                                paired_overhead(samples, key, "model"),
-                                median_standard_error(paired_ratios(samples, key, "graph")), planning_seconds))
+                                plan.predicted_overhead, round(vs_graph.median - 1, 12),
+                                paired_overhead(samples, key, "model"), vs_graph.standard_error, planning_seconds))
     return rows
 
 
@@ -119,6 +123,9 @@ def main(argv=None) -> list[FidelityRow]:
     parser.add_argument("--profile-repeats", type=int, default=3, help="the planner's own timing repeats")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch intra-op threads (1 steadies timings on a machine shared with other work)")
+    parser.add_argument("--granularity", default="block", choices=[g.value for g in Granularity],
+                        help="where the planner may cut stages")
+    parser.add_argument("--solve-seconds", type=float, default=None, help="the solver's limit per plan")
     parser.add_argument("--out", default=None, help="also write the report there (Markdown), e.g. "
                                                    "benchmarks/FIDELITY.md")
     args = parser.parse_args(argv)
@@ -134,7 +141,8 @@ def main(argv=None) -> list[FidelityRow]:
     print("\n".join(lines[:1] + lines[3:]), flush=True)
     rows = []
     for name in args.models:
-        model_rows = rows_for(name, args.size, args.repeats, args.profile_repeats)
+        model_rows = rows_for(name, args.size, args.repeats, args.profile_repeats, args.granularity,
+                              args.solve_seconds)
         rows += model_rows
         added = [f"{row.model:11s} {row.point:>5s} {format_bytes(row.budget_bytes):>10s} "
                  f"{format_bytes(row.predicted_peak_bytes):>10s} {format_bytes(row.measured_peak_bytes):>10s} "

@@ -137,8 +137,8 @@ def partition_stages(profile: GraphProfile, *, max_stages: int = 64, min_share: 
     into neighbours, the tail after the last block a stage of its own (see :func:`_tail_start`), no cut between a
     value and an in-place write to it (see :func:`_respect_in_place_writes`), at most ``max_stages``.
 
-    Below the blocks, a run lighter than ``min_share`` of the typical one inside a block (a residual add, a view)
-    joins the run before it."""
+    Below the blocks, a run lighter than ``min_share`` of the typical one inside a block (a norm, a residual add,
+    a view) joins the run before it in the same block, or else the one after it."""
     nodes = list(profile.nodes)
     container = _block_container([n.module_path for n in nodes])
     if container is not None:
@@ -158,17 +158,19 @@ def partition_stages(profile: GraphProfile, *, max_stages: int = 64, min_share: 
     def is_light(i: int) -> bool:
         return not (is_block[i] and whole_blocks) and i != tail and _weight(runs[i]) < min_share * typical
 
+    block_of = [_key(r[0].module_path, block_depth) if block else None for r, block in zip(runs, is_block)]
     merged: list[list[NodeProfile]] = []
+    merged_block: str | None = None  # the block of the last run in merged[-1]
     pending: list[NodeProfile] = []
     for i, run in enumerate(runs):
-        if is_light(i):
-            if merged:
-                merged[-1].extend(run)
-            else:
-                pending.extend(run)
+        if is_light(i) and merged and (block_of[i] is None or block_of[i] == merged_block):
+            merged[-1].extend(run)  # a block's light run stays in its block: finer stages nest in the blocks
+        elif is_light(i):
+            pending.extend(run)
         else:
             merged.append(pending + run)
             pending = []
+            merged_block = block_of[i]
     if pending:
         merged.append(pending)
     tail_nodes = {n.name for run in runs[tail:] for n in run} if tail is not None else set()

@@ -58,6 +58,20 @@ def test_finer_stages_cut_the_blocks_and_keep_their_boundaries(tower, granularit
     assert {s.name for s in finer} >= {"blocks.0.0", "blocks.0.3", "head"}  # the linears; GELU and dropout join
 
 
+@pytest.mark.parametrize("name", ["gpt2", "bert"])
+def test_finer_stages_of_transformers_nest_in_their_blocks(name):
+    """A block's light runs (its norms, residual adds, dropouts) join runs of the same block, never the block
+    before it: every finer stage lies in one block-level stage, so block checkpoints map onto finer stages."""
+    from examples.common import build_example
+    example = build_example(name, size="test")
+    profile = profile_graph(capture(example.model, example.example_inputs, example.example_kwargs), repeats=1)
+    blocks = partition_stages(profile)
+    for granularity in (Granularity.LAYER, Granularity.SUBLAYER):
+        finer = partition_stages(profile, granularity=granularity)
+        ranges = refinement(blocks, finer)
+        assert ranges is not None and all(stop - start > 1 for start, stop in ranges[1:-1]), granularity
+
+
 class Tail(torch.nn.Module):
     """Three blocks, then what follows them: an in-place relu on the last block's output and a head, or a view."""
 
