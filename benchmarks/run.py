@@ -56,9 +56,9 @@ from planner.capture import capture
 from planner.errors import InfeasibleBudgetError
 from planner.meter import allocator_peak_bytes, storage_bytes
 from planner.plan import Plan, SolverStatus
-from planner.problem import Region, Schedule
+from planner.problem import Schedule
 from planner.timing import Estimate, interleaved_rounds, paired_ratios
-from planner.solvers.baselines import chen_sqrt_of
+from planner.solvers.baselines import block_checkpoints
 
 METHODS = ("eager", "uniform", "prefix", "chen_sqrt", "compile", "planner")
 HAND = ("uniform", "prefix", "chen_sqrt")  # block checkpoints placed by a rule or by hand
@@ -239,10 +239,8 @@ class Posed:
 
     def hand_schedules(self) -> list[Schedule]:
         """Block checkpoints as users place them, over this problem's stages: the first k blocks (k = 0 .. n),
-        each its own region, and Chen's sqrt(n) segments of blocks."""
-        ranges = self.block_ranges or tuple((k, k + 1) for k in range(self.problem.num_stages))
-        blocks = [Schedule(tuple(Region(k, k + 1) for k in range(count))) for count in range(len(ranges) + 1)]
-        return [s.refined(ranges) for s in blocks + [chen_sqrt_of(len(ranges))]]
+        each its own region, and Chen's sqrt(n) segments of blocks (:func:`block_checkpoints`)."""
+        return block_checkpoints(self.block_ranges or tuple((k, k + 1) for k in range(self.problem.num_stages)))
 
 
 def pose(example: Example, profile_repeats: int, granularity: str = "block") -> Posed:
@@ -260,7 +258,7 @@ def chen(posed: Posed) -> Candidate:
                               status=SolverStatus.HEURISTIC)
     module = planned_module(posed.captured, plan, posed.stage_nodes)
     return eager_mode(posed.example, "chen_sqrt", f"{len(plan.schedule.regions)} checkpointed "
-                      f"segment(s) of {posed.problem.num_stages} stages", module, posed.example.model)
+                      f"segment(s) of {len(posed.block_ranges or posed.problem.stages)} block-level stages", module, posed.example.model)
 
 
 def best_hand_overhead(posed: Posed, budget: int) -> float | None:
@@ -302,8 +300,8 @@ def planner_at(posed: Posed, budget: int, matches: str, compile_it: bool = False
     target, kept, kept_target, found, replans = budget, None, 0, None, 0
     for replans in range(COMPILED_REPLANS + 1 if compile_it else 1):
         try:
-            plan = solvers.solve(posed.problem, target, **({} if solve_seconds is None
-                                                            else {"time_limit": solve_seconds}))
+            plan = solvers.solve(posed.problem, target, known=posed.hand_schedules(),
+                                 **({} if solve_seconds is None else {"time_limit": solve_seconds}))
         except InfeasibleBudgetError as error:
             if kept is not None or found is not None:
                 break
@@ -365,6 +363,7 @@ def candidates(example: Example, methods: Sequence[str], budgets: Sequence[float
     eager_peak = found[0].peak_bytes
     posed = pose(example, profile_repeats, granularity) if {"planner", "chen_sqrt"} & set(methods) else None
     if posed is not None and posed.block_ranges is None:  # finer stages that do not nest in the blocks
+        log(f"  {granularity} stages do not nest in the blocks: planning over whole blocks")
         posed = pose(example, profile_repeats)
     if "uniform" in methods:
         found.append(uniform(example))

@@ -36,6 +36,7 @@ from .problem import Problem, Region, Schedule, simulate
 from .profile import StageMeasurement, default_loss, measure_stages, paired_step_seconds, preserved_training_state, profile_graph
 from .parts import PartialCaptureWarning, ReducedBudget, capturable_parts, parts_planned, record_calls
 from .rewrite import apply_plan
+from .solvers.baselines import block_checkpoints
 from . import fsdp, solvers
 
 __all__ = ["optimize", "plan", "apply", "OptimizedModule", "Planned"]
@@ -364,7 +365,9 @@ def _plan_captured(model, captured: CapturedGraph, budget, *, loss_fn, optimizer
     budget_bytes = parsed.resolve(eager)
     _check_fits(parsed, budget_bytes, spec)
     try:
-        result = solvers.solve(problem, usable_bytes(budget_bytes, margin), method=solver, **(solver_options or {}))
+        known = block_checkpoints(posed.block_ranges) if posed.block_ranges is not None else ()
+        result = solvers.solve(problem, usable_bytes(budget_bytes, margin), method=solver, known=known,
+                               **(solver_options or {}))
     except InfeasibleBudgetError as exc:
         raise _in_context(model, parsed, exc, margin) from None
     measured = posed.measured

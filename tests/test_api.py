@@ -92,12 +92,14 @@ def test_plan_then_apply_round_trips_through_json(model):
 def test_a_plan_cut_inside_the_blocks_records_its_granularity_and_applies(model):
     plan = planner.plan(model, "50%", (X,), loss_fn=_loss, profile_repeats=1, granularity="layer")
     assert len(plan.stage_names) > len(model.layers) and dict(plan.extra)["granularity"] == "layer"
+    blocks = planner.plan(model, "50%", (X,), loss_fn=_loss, profile_repeats=1)
+    assert plan.predicted_peak_bytes <= plan.budget_bytes and blocks.predicted_peak_bytes <= blocks.budget_bytes
     again = planner.Plan.from_json(plan.to_json())
     opt = planner.apply(model, again, (X,))
     assert opt._options["granularity"] is planner.api.Granularity.LAYER  # a new input shape plans alike
     assert_same_training(training_step(model, lambda m: _loss(m(X)), (X,)),
                          training_step(opt, lambda m: _loss(m(X)), (X,), owner=model))
-    assert "granularity" not in dict(planner.plan(model, "50%", (X,), loss_fn=_loss, profile_repeats=1).extra)
+    assert "granularity" not in dict(blocks.extra)
 
 
 def test_optimizer_state_counts_into_the_budget(model):

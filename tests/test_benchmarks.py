@@ -167,8 +167,8 @@ def _replanned(monkeypatch, peak_shares):
         return run.Candidate(method, setting, lambda: None, int(budget * next(shares)), compiled=True, **fields)
 
     monkeypatch.setattr(run, "compiled", scripted_compile)
-    monkeypatch.setattr(run.solvers, "solve", lambda problem, target: solved.append(target) or real_solve(problem,
-                                                                                                          target))
+    monkeypatch.setattr(run.solvers, "solve", lambda problem, target, **options: solved.append(target)
+                        or real_solve(problem, target, **options))
     return run.planner_at(posed, budget, "x", compile_it=True), solved, budget
 
 

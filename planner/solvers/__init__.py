@@ -28,11 +28,11 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Callable
+from typing import Callable, Sequence
 
 from ..errors import PlannerError
 from ..plan import Plan, SolverStatus
-from ..problem import Problem
+from ..problem import Problem, Schedule
 from .baselines import BASELINES, solve_baseline
 from .dp import GAP_TOLERANCE, lower_bound, minimum_peak, relative_gap, solve_dp
 from .ilp import min_peak_ilp, solve_ilp
@@ -43,21 +43,45 @@ __all__ = ["METHODS", "lower_bound", "minimum_peak", "min_peak_ilp", "solve", "s
            "solve_ilp"]
 
 
-def solve(problem: Problem, budget_bytes: int, method: str = "auto", **options) -> Plan:
+def solve(problem: Problem, budget_bytes: int, method: str = "auto", *, known: Sequence[Schedule] = (),
+          **options) -> Plan:
     """Plan ``problem`` under ``budget_bytes`` with ``method``; ``options`` go to the solver (``time_limit``,
     ``gap`` for the ILP; ``buckets``, ``front_limit``, ``time_limit``, ``progress``, ``target_gap`` for the DP;
-    ``time_limit``, ``progress``, ``ilp_stages`` for auto)."""
-    if method == "auto":
-        return _solve_auto(problem, budget_bytes, **options)
-    if method == "ilp":
-        return solve_ilp(problem, budget_bytes, **options)
-    if method == "dp":
-        return solve_dp(problem, budget_bytes, **options)
+    ``time_limit``, ``progress``, ``ilp_stages`` for auto). ``known``: schedules the caller already has (block
+    checkpoints over finer stages); a time-limited search returns none that recomputes more than one that fits."""
+    if method in ("auto", "ilp", "dp"):
+        solver = {"auto": _solve_auto, "ilp": solve_ilp, "dp": solve_dp}[method]
+        return _no_worse_than(problem, budget_bytes, solver(problem, budget_bytes, **options), known)
     if method in BASELINES:
         if options:
             raise PlannerError(f"baseline {method!r} takes no options, got {sorted(options)}")
         return solve_baseline(problem, method, budget_bytes)
     raise PlannerError(f"unknown solver method {method!r}", hint=f"choose one of {', '.join(METHODS)}")
+
+
+def _no_worse_than(problem: Problem, budget_bytes: int, plan: Plan, known: Sequence[Schedule]) -> Plan:
+    """``plan``, or the fitting schedule of ``known`` that recomputes least when it recomputes less, with the
+    solver's bound and a gap against it.
+
+    >>> from planner.problem import Problem, Region, Stage, TensorInfo
+    >>> stages = tuple(Stage(f"s{i}", 1.0, 2.0) for i in range(3))
+    >>> problem = Problem(stages, tuple(TensorInfo(f"a{i}", 100, i, frozenset({i}), frozenset({i})) for i in range(3)))
+    >>> slow = Plan.from_schedule(problem, Schedule.uniform(3), solver="dp", status=SolverStatus.FEASIBLE)
+    >>> better = _no_worse_than(problem, 1000, slow, [Schedule((Region(0, 1),))])
+    >>> better.solver, better.predicted_recompute_seconds
+    ('dp+known', 1.0)
+    """
+    started = time.perf_counter()
+    fitting = [p for p in (Plan.from_schedule(problem, s, solver=f"{plan.solver}+known", status=SolverStatus.FEASIBLE)
+                           for s in known) if p.predicted_peak_bytes <= budget_bytes]
+    best = min(fitting, key=lambda p: p.predicted_recompute_seconds, default=None)
+    if best is None or best.predicted_recompute_seconds >= plan.predicted_recompute_seconds:
+        return plan
+    gap = relative_gap(best.predicted_recompute_seconds, plan.lower_bound_seconds)
+    return dataclasses.replace(best, gap=gap, lower_bound_seconds=plan.lower_bound_seconds,
+                               status=SolverStatus.OPTIMAL if gap is not None and gap <= GAP_TOLERANCE
+                               else SolverStatus.FEASIBLE,
+                               solve_seconds=plan.solve_seconds + time.perf_counter() - started)
 
 
 ILP_STAGES = 64  # the exact ILP closes the DP's gap on problems up to this many stages (see benchmarks)

@@ -25,7 +25,7 @@ Each rule returns a :class:`~planner.problem.Schedule`; :func:`solve_baseline` e
 from __future__ import annotations
 
 import math
-from typing import Callable
+from typing import Callable, Sequence
 
 from ..budget import format_bytes
 from ..errors import InfeasibleBudgetError, PlannerError
@@ -80,6 +80,18 @@ def chen_sqrt_of(n: int) -> Schedule:
     size = math.ceil(math.sqrt(n))
     segments = math.ceil(n / size)
     return Schedule.from_segments((start, start + size) for start in range(0, size * (segments - 1), size))
+
+
+def block_checkpoints(ranges: Sequence[tuple[int, int]]) -> list[Schedule]:
+    """Block checkpoints as users place them, over the finer stages ``ranges`` says make up each block (its
+    ``[start, stop)``): the first ``k`` blocks each in its own region (``k = 0 .. n``), and Chen's sqrt(n) segments
+    of blocks.
+
+    >>> [[(r.start, r.stop) for r in s.regions] for s in block_checkpoints([(0, 2), (2, 3)])]
+    [[], [(0, 2)], [(0, 2), (2, 3)], []]
+    """
+    prefixes = [Schedule(tuple(Region(k, k + 1) for k in range(count))) for count in range(len(ranges) + 1)]
+    return [s.refined(ranges) for s in prefixes + [chen_sqrt_of(len(ranges))]]
 
 
 def checkpoint_prefix(problem: Problem, count: int) -> Schedule:
