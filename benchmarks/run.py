@@ -257,8 +257,9 @@ def chen(posed: Posed) -> Candidate:
     plan = Plan.from_schedule(posed.problem, posed.hand_schedules()[-1], solver="chen_sqrt",
                               status=SolverStatus.HEURISTIC)
     module = planned_module(posed.captured, plan, posed.stage_nodes)
+    blocks = len(posed.block_ranges or posed.problem.stages)
     return eager_mode(posed.example, "chen_sqrt", f"{len(plan.schedule.regions)} checkpointed "
-                      f"segment(s) of {len(posed.block_ranges or posed.problem.stages)} block-level stages", module, posed.example.model)
+                      f"segment(s) of {blocks} block-level stages", module, posed.example.model)
 
 
 def best_hand_overhead(posed: Posed, budget: int) -> float | None:
@@ -670,8 +671,8 @@ def main(argv=None) -> list[Row]:
     header = (f"Machine: {machine()}.\n\nSize `{args.size}`, {args.repeats} interleaved rounds (time ratios are "
               f"per round, against eager's step in the same round), budgets {args.budgets} of the eager peak, "
               f"activation_memory_budget {args.compile_ratios}, planner stages cut at granularity "
-              f"`{args.granularity}`, each solve limited to {args.solve_seconds:g} s. Command: `python -m benchmarks.run "
-              f"{' '.join(argv if argv is not None else sys.argv[1:])}`.")
+              f"`{args.granularity}`, each solve limited to {args.solve_seconds:g} s. Command: "
+              f"`python -m benchmarks.run {' '.join(argv if argv is not None else sys.argv[1:])}`.")
     rows: list[Row] = []
     for name in args.models:
         log(f"{name}:")
