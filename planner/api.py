@@ -182,7 +182,8 @@ def pose(captured: CapturedGraph, *, loss_fn: Callable | None = None, optimizer=
     if sharding is not None:
         profile = fsdp.per_rank_profile(profile, captured.graph_module, sharding)
     stages = partition_stages(profile, max_stages=max_stages, granularity=cut_at)
-    block_ranges = refinement(partition_stages(profile, max_stages=max_stages), stages)
+    blocks = stages if cut_at is Granularity.BLOCK else partition_stages(profile, max_stages=max_stages)
+    block_ranges = refinement(blocks, stages)
     # never cached: random ops (the recomputation must draw the same numbers) and outputs later written in place
     random_nodes = {n.name for n in captured.compute_nodes() if is_random(n)} | mutated_nodes(captured.graph_module)
     problem = build_problem(profile, stages, random_nodes=random_nodes,
@@ -360,7 +361,7 @@ def _plan_captured(model, captured: CapturedGraph, budget, *, loss_fn, optimizer
     posed = posed or pose(captured, loss_fn=loss_fn, optimizer=optimizer, ddp=ddp, max_stages=max_stages,
                           profile_repeats=profile_repeats, hold_outputs=hold_outputs, device=spec,
                           granularity=granularity)
-    problem, posed_granularity = posed.problem, posed.granularity
+    problem = posed.problem
     eager = simulate(problem, Schedule.store_all(problem.num_stages)).peak_bytes
     budget_bytes = parsed.resolve(eager)
     _check_fits(parsed, budget_bytes, spec)
@@ -373,10 +374,8 @@ def _plan_captured(model, captured: CapturedGraph, budget, *, loss_fn, optimizer
     measured = posed.measured
     extra = tuple((k, v) for k, v in (("measured_device_peak_bytes", measured.device_peak_bytes),
                                       ("measured_device_reserved_bytes", measured.device_reserved_bytes),
-                                      ("ddp_bucket_bytes", ddp_bucket_bytes(captured.graph_module) if ddp else None),
-                                  ("granularity", None if posed_granularity is Granularity.BLOCK
-                                   else posed_granularity.value))
-                  if v is not None)
+                                      ("ddp_bucket_bytes", ddp_bucket_bytes(captured.graph_module) if ddp else None))
+                  if v is not None) + posed.granularity.plan_extra
     result = dataclasses.replace(result, budget_bytes=budget_bytes, budget_text=parsed.text,
                                  stage_nodes=posed.stage_nodes, fingerprint=fingerprint(captured),
                                  torch_version=torch.__version__, device=_device_of(model), timing=posed.timing,

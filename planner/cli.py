@@ -220,8 +220,7 @@ class Session:
                                    torch_version=torch.__version__,
                                    device=first.device.type if first is not None else "cpu", timing=self.timing,
                                    allocator_margin=self.allocator_margin,
-                                   extra=plan.extra + ((("granularity", self.granularity.value),)
-                                                       if self.granularity is not Granularity.BLOCK else ()))
+                                   extra=plan.extra + self.granularity.plan_extra)
 
 
 def open_session(args: argparse.Namespace, progress: Progress) -> Session:

@@ -113,6 +113,15 @@ class Granularity(enum.Enum):
     def levels_below_block(self) -> int:
         return list(Granularity).index(self)
 
+    @property
+    def plan_extra(self) -> tuple[tuple[str, str], ...]:
+        """What a plan records of it in ``Plan.extra`` (nothing for the default, whole blocks).
+
+        >>> Granularity.BLOCK.plan_extra, Granularity.LAYER.plan_extra
+        ((), (('granularity', 'layer'),))
+        """
+        return () if self is Granularity.BLOCK else (("granularity", self.value),)
+
 
 def granularity_of(value: str | Granularity) -> Granularity:
     """``value`` as a :class:`Granularity`, or a :class:`~planner.errors.PlannerError` naming the choices.
