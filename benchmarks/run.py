@@ -15,8 +15,9 @@ set up (planning, searching, compiling). Methods:
   from the CPU allocator's profiler memory events (:func:`planner.meter.allocator_peak_bytes`).
 * ``planner``: planned at each budget share, and at the measured peak of every other method (equal memory); against
   a compiled method, the plan is compiled the same way (``torch.compile`` of the planned module). Its stages are
-  cut at ``--granularity`` (default ``sublayer``: checkpoints may go around any module inside a block), each solve
-  limited to ``--solve-seconds``. Its stages nest in the blocks, so ``chen_sqrt`` and the cost model's view of
+  cut at ``--granularity`` (default ``block``, where each block's menu of caching options, dropout masks kept
+  included, is solved exactly in seconds; ``sublayer`` lets checkpoints go around any module inside a block), each
+  solve limited to ``--solve-seconds``. Its stages nest in the blocks, so ``chen_sqrt`` and the cost model's view of
   the hand placements are schedules of whole blocks over the same stages (one profile, one calibration).
 
 Eager-mode peaks come from the live-storage meter (``Example.measured_step``), compiled peaks from the allocator;
@@ -65,7 +66,7 @@ HAND = ("uniform", "prefix", "chen_sqrt")  # block checkpoints placed by a rule 
 BUDGETS = (0.5,)
 COMPILE_RATIOS = (0.5, 0.1)
 HALF = 0.5
-GRANULARITY = "sublayer"
+GRANULARITY = "block"
 SOLVE_SECONDS = 15.0  # the solver's time limit per plan: the DP's plan of the first seconds is within 1% of later ones
 OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "RESULTS.md")
 

@@ -28,8 +28,9 @@ from .capture import CapturedGraph, autocast_state, capture, input_signature, mu
 from .devices import DeviceSpec, device_spec
 from .meta import device_type_of, target_kernels
 from .timing import AnalyticStopwatch, stopwatch_for
-from .costmodel import (Granularity, add_checkpoint_overheads, build_problem, calibrate, granularity_of, is_random,
+from .costmodel import (Granularity, add_checkpoint_overheads, build_problem, calibrate, granularity_of, never_cached,
                         partition_stages, refinement, scale_seconds, spread)
+from .dropout import is_mask, is_state
 from .errors import InfeasibleBudgetError, PlannerError
 from .plan import Plan, SolverStatus, budget_for_usable, usable_bytes
 from .problem import Problem, Region, Schedule, simulate
@@ -185,8 +186,10 @@ def pose(captured: CapturedGraph, *, loss_fn: Callable | None = None, optimizer=
     blocks = stages if cut_at is Granularity.BLOCK else partition_stages(profile, max_stages=max_stages)
     block_ranges = refinement(blocks, stages)
     # never cached: random ops (the recomputation must draw the same numbers) and outputs later written in place
-    random_nodes = {n.name for n in captured.compute_nodes() if is_random(n)} | mutated_nodes(captured.graph_module)
-    problem = build_problem(profile, stages, random_nodes=random_nodes,
+    random_nodes = never_cached(list(captured.compute_nodes())) | mutated_nodes(captured.graph_module)
+    states = {n.name for n in captured.compute_nodes() if is_state(n)}
+    masks = {n.name for n in captured.compute_nodes() if is_mask(n)}
+    problem = build_problem(profile, stages, random_nodes=random_nodes, always_kept=states, masks=masks,
                             extra_fixed_bytes=training_state_bytes(captured.graph_module, optimizer, ddp),
                             name=type(captured.graph_module).__name__, hold_outputs=hold_outputs)
     stage_of = {node: i for i, spec in enumerate(stages) for node in spec.nodes}
@@ -413,7 +416,7 @@ def plan(model: torch.nn.Module, budget: int | str | None, example_inputs: Any =
     if sharding is not None:
         return _plan_sharded(model, _as_args(example_inputs), dict(example_kwargs or {}), sharding, budget,
                              options).plan
-    captured = capture(model, _as_args(example_inputs), example_kwargs)
+    captured = capture(model, _as_args(example_inputs), example_kwargs, replay_dropout=device is None)
     return _plan_captured(model, captured, budget, **options).plan
 
 
@@ -428,7 +431,8 @@ def _plan_sharded(model: torch.nn.Module, args: tuple, kwargs: dict, sharding: f
     every rank takes rank 0's plan. ``wrapper``: the optimized module, when it is sharded too."""
     fsdp.check_same_inputs_on_all_ranks(input_signature(args, kwargs))
     with fsdp.unsharded_for_capture(model, wrapper):
-        captured = dataclasses.replace(capture(model, args, kwargs), sharding=sharding)
+        captured = dataclasses.replace(capture(model, args, kwargs, replay_dropout=options.get("device") is None),
+                                       sharding=sharding)
         fsdp.check_units_run_in_one_piece(captured.graph_module, sharding)
         posed = pose(captured, sharding=sharding, **{k: options[k] for k in _POSE_OPTIONS if k in options})
     problem = fsdp.per_rank_problem(posed.problem, posed.stage_nodes, captured, model, sharding,
@@ -518,7 +522,7 @@ class OptimizedModule(torch.nn.Module):
             self.add_plan(_plan_sharded(self.model, args, kwargs, sharding, self.budget, self._options, self))
             return
         try:
-            captured = capture(self.model, args, kwargs)
+            captured = capture(self.model, args, kwargs, replay_dropout=self._options.get("device") is None)
         except PlannerError as error:
             self._parts = self._plan_parts(args, kwargs, error)
             return
@@ -697,7 +701,9 @@ def apply(model: torch.nn.Module, plan: Plan, example_inputs: Any = None, *,
     """Turn a saved ``plan`` into a module for ``model``; the model and input shapes must match the plan's."""
     sharding = fsdp.sharding_of(model)
     with fsdp.unsharded_for_capture(model) if sharding is not None else contextlib.nullcontext():
-        captured = dataclasses.replace(capture(model, _as_args(example_inputs), example_kwargs), sharding=sharding)
+        captured = dataclasses.replace(capture(model, _as_args(example_inputs), example_kwargs,
+                                               replay_dropout=not plan.timing.startswith("analytic")),
+                                       sharding=sharding)
     found = fingerprint(captured, as_device="meta" if plan.device == "meta" else None)  # meta plans fit any device
     if plan.fingerprint and found != plan.fingerprint:
         raise PlannerError(f"the plan was made for fingerprint {plan.fingerprint}, but this model with these "

@@ -23,6 +23,7 @@ import torch
 import torch.fx as fx
 from torch.utils._pytree import tree_flatten
 
+from .dropout import replayable_dropout
 from .errors import PlannerError
 
 
@@ -143,8 +144,13 @@ def autocast_state() -> tuple:
                  if torch.is_autocast_enabled(device))
 
 
-def capture(model: torch.nn.Module, example_args: tuple, example_kwargs: dict | None = None) -> CapturedGraph:
+def capture(model: torch.nn.Module, example_args: tuple, example_kwargs: dict | None = None, *,
+            replay_dropout: bool = True) -> CapturedGraph:
     """Export ``model`` for training and return its unlifted graph module.
+
+    ``replay_dropout``: rewrite the dropouts of a graph that runs on the CPU so that a recomputation can keep their
+    masks (:func:`planner.dropout.replayable_dropout`; not under autocast). Plans for another device (an analytic
+    ``device=``) capture without it, as the model will run there.
 
     Raises :class:`PlannerError` naming the cause when the model does not capture or the inputs do not fit it.
     """
@@ -168,7 +174,10 @@ def capture(model: torch.nn.Module, example_args: tuple, example_kwargs: dict | 
         ) from exc
     finally:
         model.train(was_training)
-    return CapturedGraph(exported.module(), args, kwargs, input_signature(args, kwargs), autocast_state())
+    graph_module, autocast = exported.module(), autocast_state()
+    if replay_dropout and not autocast:  # under autocast the attention's math path casts its inputs: one op
+        replayable_dropout(graph_module)
+    return CapturedGraph(graph_module, args, kwargs, input_signature(args, kwargs), autocast)
 
 
 def flat_call_args(captured: CapturedGraph, args: tuple, kwargs: dict) -> list[Any]:

@@ -228,7 +228,7 @@ def open_session(args: argparse.Namespace, progress: Progress) -> Session:
     with progress.step(f"building the model from {args.model}"):
         model, inputs, kwargs = build_model(args.model)
     with progress.step(f"capturing {type(model).__name__}"), quiet_torch():
-        captured = capture(model, inputs, kwargs)
+        captured = capture(model, inputs, kwargs, replay_dropout=args.device is None)
     timed = f"analytic times for {args.device}" if args.device else f"{args.profile_repeats} timed run(s)"
     with progress.step(f"profiling ({timed})"), quiet_torch():
         posed = pose(captured, max_stages=args.max_stages, profile_repeats=args.profile_repeats, device=args.device,

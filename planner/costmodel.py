@@ -7,7 +7,9 @@
 * Tensors are storages that outlive the node that made them; their readers and savers are stages.
 * Recompute options are selective-checkpoint menus per stage: recompute everything, or cache the nodes that cost the
   most time per byte (matmuls and attention first), in growing shares of the stage's cacheable bytes. Random ops
-  (dropout) are never cached, so a recomputation draws the same random numbers in the same order. A stage that
+  are never cached, so a recomputation draws the same random numbers in the same order; dropout masks drawn by
+  :mod:`planner.dropout` are the exception (each replays from its own generator state, which every caching option
+  keeps) when no other random op is in the graph (:func:`never_cached`). A stage that
   makes one of the model's outputs is only recomputed whole (see ``_stages_making_outputs``). A caching option's
   recompute workspace comes from a replay of its re-run, node by node (:func:`caching_workspace`): caches are
   alive until read, temporaries of composite ops (attention) at their busiest.
@@ -34,7 +36,7 @@ import heapq
 import re
 from collections import Counter
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import AbstractSet, Callable, Sequence
 
 import torch.fx as fx
 
@@ -332,21 +334,46 @@ def is_random(node: fx.Node) -> bool:
     return True
 
 
-def _cache_candidates(stage_nodes: Sequence[NodeProfile], random_nodes: set[str]) -> list[NodeProfile]:
+def never_cached(nodes: Sequence[fx.Node]) -> set[str]:
+    """The random nodes among ``nodes`` that no region may cache: all of them, but for the dropout masks of
+    :mod:`planner.dropout` when they are the only random nodes. A kept mask draws nothing while its region is
+    recomputed; each other mask replays from its own generator state, but a plain random op after it would draw
+    from the wrong state.
+
+    >>> import torch
+    >>> from planner.capture import capture
+    >>> captured = capture(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout(0.1)), (torch.randn(2, 4),))
+    >>> never_cached(list(captured.compute_nodes()))
+    set()
+    """
+    from .dropout import is_mask
+    random = [n for n in nodes if is_random(n)]
+    if all(is_mask(n) for n in random):
+        return set()
+    return {n.name for n in random}
+
+
+def _cache_candidates(stage_nodes: Sequence[NodeProfile], random_nodes: set[str],
+                      always_kept: AbstractSet[str]) -> list[NodeProfile]:
     usable = [n for n in stage_nodes if n.created and n.transient_bytes == 0 and not n.output_is_view
-              and n.name not in random_nodes and n.seconds > 0]
+              and n.name not in random_nodes and n.name not in always_kept and n.seconds > 0]
     return sorted(usable, key=lambda n: n.seconds / n.created_bytes, reverse=True)
 
 
-def recompute_options(stage_nodes: Sequence[NodeProfile], random_nodes: set[str]) -> tuple[RecomputeOption, ...]:
-    """Selective-checkpoint menu for one stage: nothing cached, then the best time-per-byte nodes in growing shares."""
+def recompute_options(stage_nodes: Sequence[NodeProfile], random_nodes: set[str],
+                      always_kept: AbstractSet[str] = frozenset(),
+                      masks: AbstractSet[str] = frozenset()) -> tuple[RecomputeOption, ...]:
+    """Selective-checkpoint menu for one stage: nothing cached; its dropout ``masks`` alone (one byte per element
+    that spares the re-run its random draws); its matmuls; then the best time-per-byte nodes in growing shares.
+    ``always_kept``: nodes every option that caches anything keeps too (the generator states of dropout masks)."""
     forward = sum(n.seconds for n in stage_nodes)
     options = [RecomputeOption("recompute_all", frozenset(), forward)]
-    candidates = _cache_candidates(stage_nodes, random_nodes)
+    candidates = _cache_candidates(stage_nodes, random_nodes, always_kept)
+    kept = frozenset(n.name for n in stage_nodes if n.name in always_kept)
     total = sum(n.created_bytes for n in candidates)
     seen: set[frozenset[str]] = {frozenset()}
     matmuls = frozenset(n.name for n in candidates if n.flops > 0)
-    menus = [("cache_matmuls", matmuls)]
+    menus = [("cache_masks", frozenset(n.name for n in candidates if n.name in masks)), ("cache_matmuls", matmuls)]
     for share in CACHE_SHARES:
         chosen, acc = [], 0
         for n in candidates:
@@ -359,13 +386,17 @@ def recompute_options(stage_nodes: Sequence[NodeProfile], random_nodes: set[str]
     for name, cached in menus:
         if cached and cached not in seen:
             seen.add(cached)
+            cached |= kept
             options.append(RecomputeOption(name, cached, max(0.0, forward - sum(by_name[c].seconds for c in cached))))
     return tuple(options)
 
 
 def build_problem(profile: GraphProfile, stages: Sequence[StageSpec], *, random_nodes: set[str],
-                  extra_fixed_bytes: int = 0, name: str = "", hold_outputs: bool = True) -> Problem:
+                  extra_fixed_bytes: int = 0, name: str = "", hold_outputs: bool = True,
+                  always_kept: AbstractSet[str] = frozenset(), masks: AbstractSet[str] = frozenset()) -> Problem:
     """Tensors, stages and options of ``profile`` cut into ``stages``; workspaces are zero until calibrated.
+    ``random_nodes`` are never cached; ``always_kept`` are cached by every option that caches anything; ``masks``
+    (dropout masks) make an option of their own (see :func:`recompute_options`).
 
     ``hold_outputs``: the caller keeps the model's outputs alive through the backward (see ``measure_stages``).
     Nodes whose backward never runs (cut off by a ``no_grad`` block: ``NodeProfile.in_backward``) save nothing
@@ -406,7 +437,7 @@ def build_problem(profile: GraphProfile, stages: Sequence[StageSpec], *, random_
     built = []
     for i, spec in enumerate(stages):
         nodes = [by_name[x] for x in spec.nodes]
-        options = recompute_options(nodes, random_nodes)
+        options = recompute_options(nodes, random_nodes, always_kept, masks)
         built.append(Stage(spec.name, forward_seconds=sum(n.seconds for n in nodes), backward_seconds=0.0,
                            grad_bytes=grads[i], output_grad_bytes=output_grads[i],
                            options=options[:1] if i in makes_output else options))
@@ -427,11 +458,52 @@ def _with_caching_workspaces(problem: Problem, stage_nodes: Sequence[Sequence[No
         own[t.producer].append(t)
     stages = []
     for k, (stage, nodes) in enumerate(zip(problem.stages, stage_nodes)):
-        options = tuple(dataclasses.replace(o, workspace_bytes=caching_workspace(
-                            nodes, own[k], o.cached_nodes, lambda key: outlives(key, k))) if o.cached_nodes else o
-                        for o in stage.recompute_options)
+        def outlives_k(key: int, k: int = k) -> bool:
+            return outlives(key, k)
+        options = tuple(dataclasses.replace(
+            o, forward_bytes=checkpointed_forward_peak(nodes, o.cached_nodes, outlives_k),
+            workspace_bytes=caching_workspace(nodes, own[k], o.cached_nodes, outlives_k) if o.cached_nodes else None)
+            for o in stage.recompute_options)
         stages.append(dataclasses.replace(stage, options=options) if stage.options else stage)
     return dataclasses.replace(problem, stages=tuple(stages))
+
+
+def checkpointed_forward_peak(nodes: Sequence[NodeProfile], cached: frozenset[str],
+                              outlives: Callable[[int], bool]) -> int:
+    """The forward workspace of a stage (its ``nodes``, in order) inside a checkpoint region: the most bytes its
+    storages hold at once as its forward runs, less those :func:`~planner.problem.simulate` counts on their own
+    all through that forward (cached ones, and those that ``outlives(key)``: read by a later stage or a model
+    output), which appear one by one. The checkpoint keeps nothing the stage saves, so every other storage dies
+    after its last reader in the stage; each node adds what it frees again before it returns
+    (:func:`intra_node_excess`). Possibly negative: counted storages made late are not alive at the peak.
+
+    >>> from planner.profile import StorageRecord
+    >>> def node(name, made, reads=(), saved=()):
+    ...     records = tuple(StorageRecord(key, size, True) for key, size in made)
+    ...     return NodeProfile(name, "", 1.0, 0, records, frozenset(reads), frozenset(saved), frozenset(), False)
+    >>> nodes = [node("mm", [(1, 100)]), node("relu", [(2, 100)], {1}, {2}), node("mm2", [(3, 10)], {2})]
+    >>> checkpointed_forward_peak(nodes, frozenset(), lambda key: key == 3)   # 1 and 2 meet at relu; 3 counted
+    190
+    >>> checkpointed_forward_peak(nodes, frozenset({"relu"}), lambda key: key == 3)   # 2 is cached: counted
+    90
+    """
+    last_reader = {key: i for i, n in enumerate(nodes) for key in n.reads}
+    change = [0] * (len(nodes) + 1)
+    counted = 0
+    for i, n in enumerate(nodes):
+        for record in n.created:
+            if not record.survives:
+                continue
+            change[i] += record.nbytes
+            if n.name in cached or outlives(record.key):
+                counted += record.nbytes
+            else:
+                change[max(i, last_reader.get(record.key, i)) + 1] -= record.nbytes
+    alive = peak = 0
+    for i, n in enumerate(nodes):
+        alive += change[i]
+        peak = max(peak, alive + intra_node_excess(n))
+    return peak - counted
 
 
 def caching_workspace(nodes: Sequence[NodeProfile], tensors: Sequence[TensorInfo], cached: frozenset[str],

@@ -24,6 +24,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from .dropout import workspace_bytes
+
 
 def _storage_key(storage: torch.UntypedStorage) -> tuple[int, int]:
     if storage.device.type == "meta":  # meta storages all have data_ptr 0: the storage itself is the identity
@@ -151,6 +153,11 @@ class LiveMemoryMeter(TorchDispatchMode):
             self.segments[-1].peak_bytes = self.live_bytes
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        hidden = workspace_bytes(func, args)  # what the op holds at its busiest, out of this mode's sight
+        if hidden:
+            self.live_bytes += hidden
+            self._note_peak()
+            self.live_bytes -= hidden
         out = func(*args, **(kwargs or {}))
         resizable = self._count_resizable()
         inputs = {id(t.untyped_storage()) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}

@@ -35,7 +35,9 @@ carries. The rules, for a tensor ``t`` produced by stage ``p``:
 * gradients of parameters appear during the backward of the stage that uses them last and stay.
 
 Workspaces (temporaries, activation gradients in flight) are per stage and come from measurement; a caching option
-carries its own recompute workspace (``costmodel`` replays the re-run node by node).
+carries its own recompute workspace (``costmodel`` replays the re-run node by node), and every option the forward
+workspace of its stage inside a region, where what the stage saves is not kept and dies after its last reader
+(replayed the same way; :meth:`Stage.forward_workspace_of`).
 
 >>> stages = tuple(Stage(f"s{i}", forward_seconds=1.0, backward_seconds=2.0) for i in range(3))
 >>> tensors = tuple(TensorInfo(f"t{i}", 100, producer=i, consumers=frozenset({i + 1}) if i < 2 else frozenset(),
@@ -50,6 +52,7 @@ carries its own recompute workspace (``costmodel`` replays the re-run node by no
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
@@ -60,13 +63,17 @@ class RecomputeOption:
     """One way to recompute a stage: which of its nodes are cached, and the forward time the rest costs again.
 
     ``workspace_bytes``: the stage's recompute workspace with this option (see :meth:`Stage.recompute_workspace_of`);
-    None takes the stage's own ``recompute_workspace``.
+    None takes the stage's own ``recompute_workspace``. ``forward_bytes``: the most bytes the stage's first forward
+    inside a region holds beyond what the execution model counts (what it makes and frees again: under a
+    checkpoint nothing it saves is kept), when that is above its ``forward_workspace_bytes`` (see
+    :meth:`Stage.forward_workspace_of`); None: no more than that.
     """
 
     name: str
     cached_nodes: frozenset[str]
     recompute_seconds: float
     workspace_bytes: int | None = None
+    forward_bytes: int | None = None
 
 
 @dataclass(frozen=True)
@@ -100,6 +107,26 @@ class Stage:
         if self.recompute_workspace_bytes is None:
             return self.forward_workspace_bytes
         return self.recompute_workspace_bytes
+
+    def forward_workspace_of(self, option: int | None) -> int:
+        """Bytes the forward of this stage needs beyond what the execution model counts: stored (``option`` None),
+        or inside a region with ``option``.
+
+        >>> stage = Stage("s", 1.0, 2.0, forward_workspace_bytes=10,
+        ...               options=(RecomputeOption("recompute_all", frozenset(), 1.0, forward_bytes=50),))
+        >>> stage.forward_workspace_of(None), stage.forward_workspace_of(0)
+        (10, 50)
+        """
+        extra = None if option is None else self.recompute_options[option].forward_bytes
+        return self.forward_workspace_bytes if extra is None else max(self.forward_workspace_bytes, extra)
+
+    def plus_forward_bytes(self, nbytes: int) -> "Stage":
+        """This stage with ``nbytes`` more in every forward event (stored or in a region); its recompute workspace
+        stays."""
+        options = tuple(o if o.forward_bytes is None else dataclasses.replace(o, forward_bytes=o.forward_bytes + nbytes)
+                        for o in self.options)
+        return dataclasses.replace(self, forward_workspace_bytes=self.forward_workspace_bytes + nbytes,
+                                   recompute_workspace_bytes=self.recompute_workspace, options=options)
 
     def recompute_workspace_of(self, option: int) -> int:
         """Bytes the recomputation of this stage with ``option`` needs beyond what the execution model counts."""
@@ -396,7 +423,7 @@ def simulate(problem: Problem, schedule: Schedule) -> Evaluation:
                 copies[k] += t.nbytes
     events: list[MemoryEvent] = []
     for k, stage in enumerate(problem.stages):
-        ws = stage.forward_workspace_bytes
+        ws = stage.forward_workspace_of(None if owner[k] is None else schedule.regions[owner[k]].option_of(k))
         events.append(MemoryEvent(Phase.FORWARD, k, problem.fixed_bytes + forward[k] + ws, forward[k], 0, ws))
     grads = 0
     region_end = {r.stop - 1: r for r in schedule.regions}

@@ -34,6 +34,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import FlopCounterMode
 
 from .capture import CapturedGraph, flat_call_args, module_path, written_inputs
+from .dropout import workspace_bytes
 from .meter import LiveMemoryMeter, storage_bytes
 from .timing import Estimate, Stopwatch, WallStopwatch, interleaved_rounds, median_standard_error
 
@@ -120,6 +121,7 @@ class _StorageTracker(TorchDispatchMode):
         self._refs.pop(storage_id, None)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.high_water = max(self.high_water, self.live_bytes + workspace_bytes(func, args))
         out = func(*args, **(kwargs or {}))
         inputs = {id(t.untyped_storage()) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
         for t in tree_leaves(out):

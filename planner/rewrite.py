@@ -7,7 +7,8 @@ selective-checkpoint policy. The top-level graph calls ``self.region_<i>(...)`` 
 ``planner_cache_off()`` bracket the nodes whose outputs are cached instead of recomputed.
 
 Exactness: checkpoint restores the CPU/CUDA RNG and autocast state for the recomputation, random ops are never
-cached (so the recomputation draws the same numbers in the same order), BatchNorm runs with momentum 0 while
+cached (so the recomputation draws the same numbers in the same order) but for the dropout masks of
+:mod:`planner.dropout` (a re-drawn one draws from its own saved generator state), BatchNorm runs with momentum 0 while
 recomputing (``running * 1 + batch * 0`` is the running value exactly) and in-place buffer updates such as
 ``num_batches_tracked += 1`` are hoisted out of regions, so BatchNorm statistics move exactly once per step. So is
 an in-place write a region would make to one of its inputs (``h.relu_()`` on the stage before's output, where stage
@@ -20,6 +21,7 @@ import copy
 import operator
 import threading
 from contextlib import contextmanager, nullcontext
+from functools import partial
 from typing import AbstractSet, Any, Iterator, Sequence
 
 import torch
@@ -27,6 +29,7 @@ import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from .capture import written_arguments
+from .dropout import STATE_OP, SpelledOp, whole_again
 from .errors import PlannerError
 from .plan import Plan, PlannedRegion
 
@@ -54,8 +57,9 @@ def _returns_view(op) -> bool:
 
 
 def _cache_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    """Save what cached nodes allocate; views are free to recompute and caching one would pin its base."""
-    if _flag("caching") and not _returns_view(op):
+    """Save what cached nodes allocate; views are free to recompute and caching one would pin its base. Generator
+    states of dropout masks are always saved: a mask re-drawn after a kept one must draw from its own state."""
+    if _flag("caching") and not _returns_view(op) or op is STATE_OP:
         return CheckpointPolicy.MUST_SAVE
     return CheckpointPolicy.PREFER_RECOMPUTE
 
@@ -99,8 +103,10 @@ class CheckpointRegion(torch.nn.Module):
         if torch.compiler.is_compiling():
             # torch.compile traces the region as one checkpoint (its partitioner decides what to keep inside);
             # the selective-caching brackets are Python side effects it cannot follow, so the region recomputes
-            # everything: never more memory than the plan, possibly more recomputation
-            return checkpoint(self.body, *args, use_reentrant=False, preserve_rng_state=True)
+            # everything but the generator states of dropout masks: never more memory than the plan (but 5 KiB
+            # per mask), possibly more recomputation
+            return checkpoint(self.body, *args, use_reentrant=False, preserve_rng_state=True,
+                              context_fn=partial(create_selective_checkpoint_contexts, _cache_policy))
         try:
             # early_stop=False: the recomputation runs to the end of the region, so it consumes every cached
             # value (an early stop would leave cache entries alive through the region's backward).
@@ -182,11 +188,34 @@ def _region_nodes(graph: fx.Graph, stage_nodes: Sequence[Sequence[str]],
     return list(inside), hoisted
 
 
-def _build_body(nodes: list[fx.Node], cached: set[str]) -> tuple[fx.GraphModule, list[fx.Node], list[fx.Node]]:
+def _inputs_of(n: fx.Node, whole: dict[fx.Node, SpelledOp]) -> list[fx.Node]:
+    spelled = whole.get(n)
+    if spelled is None:
+        return n.all_input_nodes
+    found: list[fx.Node] = []
+    fx.map_arg((spelled.args, spelled.kwargs), found.append)
+    return found
+
+
+def _copy(graph: fx.Graph, n: fx.Node, env: dict[fx.Node, fx.Node], whole: dict[fx.Node, SpelledOp]) -> fx.Node:
+    """``n`` copied into ``graph``; the last node of an op that :mod:`planner.dropout` spelled out runs as that one
+    op again where ``whole`` lists it (:func:`~planner.dropout.whole_again`)."""
+    spelled = whole.get(n)
+    if spelled is None:
+        return graph.node_copy(n, lambda x: env[x])
+    copied = graph.create_node("call_function", spelled.target, fx.map_arg(spelled.args, env.__getitem__),
+                               fx.map_arg(spelled.kwargs, env.__getitem__), name=n.name)
+    copied.meta = dict(n.meta)
+    return copied
+
+
+def _build_body(nodes: list[fx.Node], cached: set[str], whole: dict[fx.Node, SpelledOp],
+                pieces: AbstractSet[fx.Node]) -> tuple[fx.GraphModule, list[fx.Node], list[fx.Node]]:
     inside = set(nodes)
+    nodes = [n for n in nodes if n not in pieces]
     inputs: list[fx.Node] = []
     for n in nodes:
-        for src in n.all_input_nodes:
+        for src in _inputs_of(n, whole):
             if src not in inside and src not in inputs:
                 inputs.append(src)
     outputs = [n for n in nodes if any(u not in inside for u in n.users)]
@@ -195,7 +224,7 @@ def _build_body(nodes: list[fx.Node], cached: set[str]) -> tuple[fx.GraphModule,
     for n in nodes:
         if n.name in cached:
             body.call_function(planner_cache_on)
-        copied = body.node_copy(n, lambda x: env[x])
+        copied = _copy(body, n, env, whole)
         if n.target is torch.ops.aten.batch_norm.default:
             copied.target = planner_batch_norm
         env[n] = copied
@@ -216,6 +245,10 @@ def apply_plan(graph_module: fx.GraphModule, plan: Plan) -> fx.GraphModule:
             regions.append((i, region, nodes))
     first_of = {nodes[0]: (i, r, nodes) for i, r, nodes in regions}
     skipped = {n for _, _, nodes in regions for n in nodes}
+    # ops spelled out for dropout run whole again outside regions that cache: inside one, an op that draws from
+    # the generator's state in order would follow a kept mask that draws nothing while the region is recomputed
+    caching = {n.name for _, region, nodes in regions if region.cached_nodes for n in nodes}
+    whole, pieces = whole_again(old, caching)
     new = fx.Graph()
     new._codegen = copy.deepcopy(old._codegen)
     env: dict[fx.Node, fx.Node] = {}
@@ -223,7 +256,7 @@ def apply_plan(graph_module: fx.GraphModule, plan: Plan) -> fx.GraphModule:
     for n in old.nodes:
         if n in first_of:
             i, region, nodes = first_of[n]
-            body, inputs, outputs = _build_body(nodes, set(region.cached_nodes))
+            body, inputs, outputs = _build_body(nodes, set(region.cached_nodes), whole, pieces)
             for x in inputs:  # attributes (subgraphs of no_grad blocks) and hoisted updates the region reads
                 if x not in env and (x.op == "get_attr" or x in hoisted):
                     _copy_ahead(x, new, env)
@@ -235,8 +268,8 @@ def apply_plan(graph_module: fx.GraphModule, plan: Plan) -> fx.GraphModule:
                 env[out] = new.call_function(operator.getitem, (call, j))
                 env[out]._rename(out.name)
                 env[out].meta = dict(out.meta)
-        elif n not in skipped and n not in env:
-            env[n] = new.node_copy(n, lambda x: env[x])
+        elif n not in skipped and n not in env and n not in pieces:
+            env[n] = _copy(new, n, env, whole)
     for name, region in holder.named_children():
         graph_module.add_submodule(name, region)
     try:

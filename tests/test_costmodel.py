@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from planner.capture import capture
-from planner.costmodel import (Granularity, build_problem, calibrate, is_random, partition_stages,
+from planner.costmodel import (Granularity, build_problem, calibrate, is_random, never_cached, partition_stages,
                                recompute_options, refinement)
 from planner.problem import Schedule, simulate
 from planner.profile import measure_stages, profile_graph
@@ -159,9 +159,24 @@ def test_sdpa_counts_as_random_only_with_dropout():
 
     q = torch.randn(1, 2, 4, 8)
     for p, expected in ((0.0, False), (0.2, True)):
-        captured = capture(Attn(), (q, p))
-        (node,) = [n for n in captured.compute_nodes() if "scaled_dot" in str(n.target)]
+        graph = torch.export.export(Attn(), (q, p), strict=False).module().graph
+        (node,) = [n for n in graph.nodes if "scaled_dot" in str(n.target)]
         assert is_random(node) is expected
+
+
+def test_dropout_masks_are_the_only_random_nodes_on_the_cpu_and_may_be_cached():
+    class Noisy(torch.nn.Module):
+        def forward(self, q, noise: bool = False):
+            out = torch.nn.functional.scaled_dot_product_attention(q, q, q, dropout_p=0.2)
+            return out + torch.rand_like(out) if noise else out
+
+    q = torch.randn(1, 2, 4, 8)
+    nodes = list(capture(Noisy(), (q,)).compute_nodes())
+    assert [n.name for n in nodes if is_random(n)] == ["scaled_dot_product_attention_mask"]
+    assert never_cached(nodes) == set()
+    noisy = list(capture(Noisy(), (q, True)).compute_nodes())
+    # a plain random op after a kept mask would draw from the wrong state: then nothing random is cached
+    assert never_cached(noisy) == {"scaled_dot_product_attention_mask", "rand_like"}
 
 
 def test_calibrated_problem_reproduces_the_measured_eager_step(tower):

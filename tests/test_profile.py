@@ -19,15 +19,17 @@ def test_nodes_record_allocations_reads_saved_tensors_and_flops():
     x = torch.randn(32, 16)
     profile = profile_graph(capture(model, (x,)), repeats=1)
     by_target = {p.name: p for p in profile.nodes}
-    linear, relu, dropout, linear_1 = (by_target[n] for n in ("linear", "relu", "dropout", "linear_1"))
+    linear, relu, mask, scaled, dropout, linear_1 = (
+        by_target[n] for n in ("linear", "relu", "dropout_mask", "dropout_scaled", "dropout", "linear_1"))
     assert linear.created_bytes == 32 * 64 * 4 and linear.flops == 2 * 32 * 16 * 64
     assert linear.param_reads == {"0.weight", "0.bias"}
     assert relu.saved == {relu.created[0].key}  # relu saves its output
-    assert relu.created[0].key in dropout.reads
-    assert len(dropout.saved) == 1 and dropout.saved <= {c.key for c in dropout.created}  # the mask
-    assert len(dropout.created) == 2 and dropout.created_bytes >= 32 * 64 * 4 + 32 * 64  # output and mask
-    out_key = next(c.key for c in dropout.created if c.key not in dropout.saved)
-    assert out_key in linear_1.saved  # linear saves its input
+    assert relu.created[0].key in dropout.reads and relu.created[0].key in mask.reads
+    # the mask keeps a byte per element; the float noise it draws first is its busiest moment
+    assert mask.created_bytes == 32 * 64 and mask.busiest_bytes == 32 * 64 * (4 + 1)
+    assert dropout.saved == {scaled.created[0].key}  # x * noise saves the scaled noise
+    assert dropout.created_bytes == 32 * 64 * 4
+    assert dropout.created[0].key in linear_1.saved  # linear saves its input
     assert profile.output_keys == {linear_1.created[0].key}
     assert profile.fixed_bytes == storage_bytes(list(model.parameters()) + [x])
     assert all(p.seconds >= 0 for p in profile.nodes)
@@ -122,7 +124,8 @@ class _InPlaceAttention(torch.nn.Module):
     def forward(self, x):
         h = self.proj(x).relu_()
         q, k, v = h.view(2, 8, 3, 4, 4).permute(2, 0, 3, 1, 4)
-        return torch.nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=0.5)
+        attention = torch.nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=0.5)
+        return torch.nn.functional.cosine_similarity(attention, q, dim=-1)
 
 
 def test_nodes_record_what_they_write_in_place_and_their_busiest_moment():
@@ -132,8 +135,10 @@ def test_nodes_record_what_they_write_in_place_and_their_busiest_moment():
     relu = next(p for p in profile.nodes if p.name.startswith("relu_"))
     assert relu.writes == {linear.created[0].key} and not linear.writes
     assert all(not p.writes for p in profile.nodes if p is not relu)
-    attention = next(p for p in profile.nodes if p.name.startswith("scaled_dot_product_attention"))
-    lasting = sum(r.nbytes for r in attention.created if r.survives)
-    assert attention.busiest_bytes > lasting  # temporaries (the scores) lived and died inside the node
-    assert attention.busiest_bytes <= attention.created_bytes  # never more than everything it made at once
+    similarity = profile.node("cosine_similarity")
+    lasting = sum(r.nbytes for r in similarity.created if r.survives)
+    assert similarity.busiest_bytes > lasting  # temporaries (the norms) lived and died inside the composite op
+    assert similarity.busiest_bytes <= similarity.created_bytes  # never more than everything it made at once
+    mask = profile.node("scaled_dot_product_attention_mask")  # float noise drawn inside, one byte per element kept
+    assert mask.busiest_bytes == 5 * mask.created_bytes == 5 * 2 * 4 * 8 * 8
     assert linear.busiest_bytes == linear.created_bytes  # a plain op: its output is its busiest moment

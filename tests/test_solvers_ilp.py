@@ -108,6 +108,36 @@ def test_a_short_time_limit_still_returns_a_plan_within_budget():
         assert plan.gap is None or plan.gap >= 0
 
 
+@pytest.mark.parametrize("crashes", ["with a start", "always"])
+def test_a_crashing_solver_leaves_the_warm_start_or_the_plan_without_it(monkeypatch, crashes):
+    """CBC 2.10 segfaulted reading the MIP start of a 50-stage Llama problem: the ILP then solves without one, and
+    when the solver fails every time, the warm start (which fits) is the plan."""
+    import pulp
+    import planner.solvers.ilp as ilp
+
+    monkeypatch.setattr(ilp, "_has_highs", lambda: False)
+    starts: list[bool] = []
+
+    class Crashing(pulp.PULP_CBC_CMD):
+        def actualSolve(self, lp, **kwargs):
+            starts.append(self.optionsDict.get("warmStart", False))
+            if crashes == "always" or starts[-1]:
+                raise pulp.PulpSolverError("Pulp: Error while trying to execute cbc")
+            return super().actualSolve(lp, **kwargs)
+
+    monkeypatch.setattr(pulp, "PULP_CBC_CMD", Crashing)
+    problem = random_chain(6, 2)
+    budget = simulate(problem, Schedule.uniform(6)).peak_bytes
+    warm = Schedule.uniform(6)
+    plan = solve_ilp(problem, budget, warm=warm)
+    assert starts == [True, False] and plan.predicted_peak_bytes <= budget
+    if crashes == "always":
+        assert [(r.start, r.stop) for r in plan.schedule.regions] == [(k, k + 1) for k in range(6)]  # the start
+        assert plan.status == SolverStatus.FEASIBLE and plan.gap is None
+    else:
+        assert plan.status == SolverStatus.OPTIMAL
+
+
 def test_cbc_log_bound_parsing():
     log = "Result - Stopped on time limit\n\nObjective value:                12.5\nLower bound:                    10.0\n"
     assert _cbc_bound(log) == 10.0

@@ -160,16 +160,19 @@ def _rerun(tensors: tuple[_Local, ...], pinned: tuple[_Pinned, ...], stage: Stag
     return _Rerun(tuple(through), tuple(stopped), tuple(left), tuple(caching))
 
 
-def _stage_sums(tensors: tuple[_Local, ...], options: range, rerun: _Rerun) -> _StageSums:
+def _stage_sums(tensors: tuple[_Local, ...], stage: Stage, rerun: _Rerun) -> _StageSums:
     def total(keep) -> int:
         return sum(t.nbytes for t in tensors if keep(t))
     kinds = (*KINDS, NONE)
+    options = range(len(stage.recompute_options))
+    # a stage's forward inside a region may need more workspace than stored (what it saves dies early, but lives)
+    extra = [stage.forward_workspace_of(o) - stage.forward_workspace_bytes for o in options]
     return _StageSums(
         total(lambda t: t.saved_self), total(lambda t: t.saved_self or t.saved_next),
         tuple(total(lambda t: o in t.caching) for o in options),
-        tuple(total(lambda t: t.forward_self or o in t.caching) for o in options),
+        tuple(extra[o] + total(lambda t: t.forward_self or o in t.caching) for o in options),
         tuple(total(lambda t: t.forward_next or o in t.caching) for o in options),
-        {(o, kind): total(lambda t: t.forward_self or o in t.caching or t.held_next(kind))
+        {(o, kind): extra[o] + total(lambda t: t.forward_self or o in t.caching or t.held_next(kind))
          for o in options for kind in kinds},
         {kind: total(lambda t: t.forward_self or t.saved_self or t.held_next(kind)) for kind in kinds},
         any(t.saved_next and not t.forward_self for t in tensors), rerun)
@@ -236,7 +239,7 @@ def _tables(problem: Problem, unit: int, optimistic: bool = False) -> _Tables:
               + pinned_backward[k] for k in range(n)),
         tuple(fixed + grads_after[k] + getattr(stages[k], "output_grad_bytes", 0) + pinned_backward[k]
               for k in range(n)),
-        tuple(_quantized(_stage_sums(tuple(locals_[k]), options[k],
+        tuple(_quantized(_stage_sums(tuple(locals_[k]), stages[k],
                                      _rerun(tuple(locals_[k]), tuple(pinned[k]), stages[k], k)), unit, optimistic)
               for k in range(n)),
         pending, tuple(tuple(o.recompute_seconds for o in s.recompute_options) for s in stages), optimistic)
@@ -1223,9 +1226,7 @@ def chain_relaxation(problem: Problem) -> Problem:
         if t.last_forward_use > t.producer:  # else it may die inside its stage: nothing is forced
             for k in range(t.producer, t.last_forward_use + 1):
                 extra[k] += t.nbytes
-    stages = tuple(dataclasses.replace(s, forward_workspace_bytes=s.forward_workspace_bytes + extra[k],
-                                       recompute_workspace_bytes=s.recompute_workspace)
-                   for k, s in enumerate(problem.stages))
+    stages = tuple(s.plus_forward_bytes(extra[k]) for k, s in enumerate(problem.stages))
     return dataclasses.replace(problem, stages=stages, tensors=tuple(kept), name=f"{problem.name} (chain relaxation)")
 
 
@@ -1615,8 +1616,7 @@ def chain_restriction(problem: Problem) -> Problem:
             forward[k] += t.nbytes
             backward[k] += 2 * t.nbytes
     stages = tuple(dataclasses.replace(
-        s, forward_workspace_bytes=s.forward_workspace_bytes + forward[k], recompute_workspace_bytes=s.recompute_workspace,
-        backward_workspace_bytes=s.backward_workspace_bytes + backward[k],
+        s.plus_forward_bytes(forward[k]), backward_workspace_bytes=s.backward_workspace_bytes + backward[k],
         backward_start_workspace_bytes=s.backward_start_workspace_bytes + backward[k],
         output_grad_bytes=s.output_grad_bytes + backward[k]) for k, s in enumerate(problem.stages))
     return dataclasses.replace(problem, stages=stages, tensors=tuple(kept), name=f"{problem.name} (chain restriction)")

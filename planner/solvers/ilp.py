@@ -414,6 +414,11 @@ class Encoding:
             self._add_group(index, g, terms)
         copies_start, copies_after = self._copy_terms()
         reruns = self._rerun_peaks()
+        for k, stage in enumerate(problem.stages):  # a stage's first forward inside a region, with its option
+            for o in range(len(stage.recompute_options)):
+                extra = stage.forward_workspace_of(o) - stage.forward_workspace_bytes
+                if extra:
+                    terms.forward[k].append(extra * self.choose[k][o])
         events = [Event(Phase.FORWARD, k, pulp.lpSum(terms.forward[k])) for k in range(n)]
         fixed, later_grads = problem.fixed_bytes, 0
         for k in reversed(range(n)):
@@ -526,9 +531,16 @@ def _run(model: pulp.LpProblem, time_limit: float, gap: float, warm: bool) -> tu
     handle, log_path = tempfile.mkstemp(suffix=".log", prefix="planner_cbc_")
     os.close(handle)
     try:
-        solver = pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit, gapRel=gap, warmStart=warm, logPath=log_path,
-                                   threads=threads)
-        model.solve(solver)
+        for start in (True, False) if warm else (False,):
+            solver = pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit, gapRel=gap, warmStart=start,
+                                       logPath=log_path, threads=threads)
+            try:
+                model.solve(solver)
+                break
+            except pulp.PulpSolverError:  # CBC 2.10 can crash reading a MIP start: try once without one
+                continue
+        else:
+            return pulp.LpStatusNotSolved, pulp.LpSolutionNoSolutionFound, None
         with open(log_path) as log:
             bound = _cbc_bound(log.read())
     finally:
@@ -639,6 +651,8 @@ def solve_ilp(problem: Problem, budget_bytes: int, *, time_limit: float = 60.0, 
         outcome = _solve_model(encoding, time_limit, gap, start)
         if outcome.infeasible:
             raise infeasible_budget_error(problem, budget_bytes, min_peak_schedule(problem, time_limit=time_limit)[0])
+        if outcome.schedule is None and start is not None:  # nothing better found: the start fits
+            outcome = dataclasses.replace(outcome, schedule=start)
         if outcome.schedule is None:
             raise PlannerError(f"the ILP found no plan within {time_limit:g} s for budget {budget_bytes} bytes",
                                hint="raise time_limit, or use method='dp' on chains")

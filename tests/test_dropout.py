@@ -1,0 +1,186 @@
+import dataclasses
+
+import pytest
+import torch
+
+from planner.api import pose_problem
+from planner.capture import capture, module_path
+from planner.dropout import dropout_mask, is_mask, is_state, replayable_dropout, rng_state, workspace_bytes
+from planner.meter import LiveMemoryMeter
+from planner.plan import Plan, PlannedRegion, SolverStatus
+from planner.problem import Region, Schedule
+from planner.rewrite import apply_plan
+from tests.helpers import assert_same_training, training_step
+
+
+class Attention(torch.nn.Module):
+    def __init__(self, mask: str | None = None, is_causal: bool = False, scale: float | None = None):
+        super().__init__()
+        self.proj = torch.nn.Linear(16, 48)
+        self.mask, self.is_causal, self.scale = mask, is_causal, scale
+
+    def forward(self, x):
+        q, k, v = self.proj(x).view(2, 8, 3, 4, 4).permute(2, 0, 3, 1, 4)
+        mask = None
+        if self.mask == "float":
+            mask = torch.linspace(-1.0, 1.0, 64).view(8, 8)
+        elif self.mask == "bool":
+            mask = torch.ones(8, 8, dtype=torch.bool).triu(-2)
+        return torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, dropout_p=0.3, is_causal=self.is_causal, scale=self.scale)
+
+
+def _exported(model, x):
+    return torch.export.export(model, (x,), strict=False).module()
+
+
+def _step_and_state(model, x):
+    torch.manual_seed(3)
+    out = model(x)
+    grads = torch.autograd.grad(out.square().sum(), [x])
+    return out, grads[0], torch.get_rng_state()
+
+
+@pytest.mark.parametrize("kind", [dict(), dict(mask="float"), dict(mask="bool"), dict(is_causal=True),
+                                  dict(scale=0.3), dict(scale=-0.3)],
+                         ids=["plain", "float-mask", "bool-mask", "causal", "scale", "negative-scale"])
+def test_spelled_out_attention_matches_the_op_bit_for_bit(kind):
+    torch.manual_seed(0)
+    model, x = Attention(**kind), torch.randn(2, 8, 16, requires_grad=True)
+    graph_module = _exported(model, x)
+    assert replayable_dropout(graph_module) == 1
+    assert not any(n.target is torch.ops.aten.scaled_dot_product_attention.default for n in graph_module.graph.nodes)
+    expected, ours = _step_and_state(model, x), _step_and_state(graph_module, x)
+    for a, b in zip(expected, ours):  # output, input gradient, generator state after
+        assert torch.equal(a, b)
+
+
+def test_dropout_keeps_its_name_and_module_and_draws_like_eager():
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Dropout(0.4))
+    x = torch.randn(4, 16, requires_grad=True)
+    graph_module = _exported(model, x)
+    assert replayable_dropout(graph_module) == 1
+    names = {n.name: n for n in graph_module.graph.nodes}
+    assert is_state(names["dropout_state"]) and is_mask(names["dropout_mask"])
+    assert module_path(names["dropout_mask"]) == module_path(names["dropout"]) == "1"
+    for a, b in zip(_step_and_state(model, x), _step_and_state(graph_module, x)):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("model, x", [
+    (torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout(0.0)), torch.randn(2, 4)),
+    (torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout(0.3)).eval(), torch.randn(2, 4)),
+    (torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout2d(0.3)), torch.randn(2, 4, 3, 3).transpose(1, 3)),
+], ids=["p=0", "eval", "feature-dropout"])
+def test_dropouts_that_draw_nothing_or_draw_otherwise_stay(model, x):
+    assert replayable_dropout(_exported(model, x)) == 0
+
+
+def test_capture_under_autocast_leaves_attention_whole():
+    model, x = Attention(), torch.randn(2, 8, 16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        captured = capture(model, (x,))
+    assert any(n.target is torch.ops.aten.scaled_dot_product_attention.default for n in captured.compute_nodes())
+    assert not any(is_mask(n) for n in captured.compute_nodes())
+
+
+def test_a_mask_replays_from_its_state_whatever_was_drawn_since():
+    x = torch.randn(1000)
+    state = rng_state(x)
+    first = dropout_mask(x, 0.3, state)
+    torch.rand(50)  # the generator moves on
+    assert torch.equal(dropout_mask(x, 0.3, state), first)
+    assert first.dtype == torch.bool and 0.6 < first.float().mean() < 0.8
+
+
+def test_meters_count_the_noise_a_mask_draws_inside_the_op():
+    x = torch.randn(1000)
+    state = rng_state(x)
+    assert workspace_bytes(torch.ops.planner.dropout_mask.default, (x, 0.1, state)) == 1000 * 5
+    with LiveMemoryMeter() as meter:
+        mask = dropout_mask(x, 0.1, state)
+    assert meter.peak_bytes == 1000 * 4 + 1000  # float noise and the boolean mask, at once
+    assert meter.live_bytes == mask.untyped_storage().nbytes() == 1000
+
+
+class Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.qkv, self.proj, self.fc = torch.nn.Linear(16, 48), torch.nn.Linear(16, 16), torch.nn.Linear(16, 16)
+        self.drop = torch.nn.Dropout(0.3)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).view(2, 8, 3, 4, 4).permute(2, 0, 3, 1, 4)
+        attention = torch.nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=0.2)
+        x = x + self.drop(self.proj(attention.transpose(1, 2).reshape(2, 8, 16)))
+        return x + self.drop(self.fc(x).relu())
+
+
+@pytest.fixture(scope="module")
+def blocks():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(Block(), Block(), Block()).train()
+    x = torch.randn(2, 8, 16)
+    captured = capture(model, (x,))
+    problem, stage_nodes = pose_problem(captured, loss_fn=lambda out: out.square().mean(), profile_repeats=0)
+    return model, x, captured, problem, stage_nodes
+
+
+def _masks_of(captured, block: str) -> tuple[str, ...]:
+    return tuple(n.name for n in captured.compute_nodes() if is_mask(n) and module_path(n).startswith(block))
+
+
+@pytest.mark.parametrize("kept", [("0",), ("1",), ("0", "1"), ()], ids=["first", "second", "both", "none"])
+def test_regions_that_keep_some_masks_and_redraw_others_train_bit_for_bit(blocks, kept):
+    """One region over the first two blocks keeps the masks of some blocks and re-draws the others (after or
+    before a kept one), caching a matmul so that selective checkpointing runs: loss, gradients and the generator
+    state afterwards are eager's."""
+    model, x, captured, problem, stage_nodes = blocks
+    assert problem.num_stages == 3
+    cached = sum((_masks_of(captured, block) for block in kept), ())
+    cached += tuple(n.name for n in captured.compute_nodes() if n.name == "linear")  # the first qkv projection
+    plan = Plan.from_schedule(problem, Schedule((Region(0, 2),)), solver="test", status=SolverStatus.HEURISTIC)
+    plan = dataclasses.replace(plan, regions=(PlannedRegion(0, 2, cached_nodes=cached),), stage_nodes=stage_nodes)
+    planned = apply_plan(captured.graph_module, plan)
+    run = lambda m: m(x).square().mean()  # noqa: E731
+    eager = training_step(model, run, (x,))
+    eager_next = torch.rand(4)
+    result = training_step(planned, run, (x,), owner=model)
+    assert torch.equal(torch.rand(4), eager_next)
+    assert_same_training(eager, result, atol=0)
+
+
+def test_caching_options_may_keep_masks_and_keep_their_states(blocks):
+    model, x, captured, problem, stage_nodes = blocks
+    masks = {n.name for n in captured.compute_nodes() if is_mask(n)}
+    states = {n.name for n in captured.compute_nodes() if is_state(n)}
+    options = [o for stage in problem.stages for o in stage.recompute_options]
+    assert any(o.cached_nodes & masks for o in options)  # a mask is the costliest node per byte kept
+    for stage, nodes in zip(problem.stages, stage_nodes):
+        own_states = states & set(nodes)
+        assert own_states
+        for option in stage.recompute_options:  # caching runs selective checkpointing, which keeps every state
+            assert own_states <= option.cached_nodes if option.cached_nodes else not option.cached_nodes
+        if len(stage.recompute_options) > 1:  # (the stage that makes the model's output is only recomputed whole)
+            (just_masks,) = [o for o in stage.recompute_options if o.name == "cache_masks"]
+            assert just_masks.cached_nodes == own_states | (masks & set(nodes))
+    assert sum(len(stage.recompute_options) > 1 for stage in problem.stages) == 2
+
+
+def test_ops_run_whole_again_outside_regions_that_cache(blocks):
+    """Spelled-out attention and dropout convert and allocate more than the ops they were: a plan runs them as
+    the one op again wherever no region caches (stored stages, regions that recompute everything), and spelled out
+    in a region that keeps something, where a re-drawn mask must draw from its own state."""
+    model, x, captured, problem, stage_nodes = blocks
+    masks = _masks_of(captured, "0")
+    plan = Plan.from_schedule(problem, Schedule((Region(0, 1), Region(1, 2))), solver="test",
+                              status=SolverStatus.HEURISTIC)
+    plan = dataclasses.replace(plan, stage_nodes=stage_nodes,
+                               regions=(PlannedRegion(0, 1, cached_nodes=masks), PlannedRegion(1, 2)))
+    planned = apply_plan(captured.graph_module, plan)
+    caching, plain = planned.get_submodule("region_0").body, planned.get_submodule("region_1").body
+    assert "dropout_mask" in caching.code and "scaled_dot_product_attention.default" not in caching.code
+    assert "dropout_mask" not in plain.code and "scaled_dot_product_attention.default" in plain.code
+    assert "dropout_mask" not in planned.code and "aten.dropout.default" in planned.code  # the stored third block
+    run = lambda m: m(x).square().mean()  # noqa: E731
+    assert_same_training(training_step(model, run, (x,)), training_step(planned, run, (x,), owner=model), atol=0)
