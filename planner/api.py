@@ -123,6 +123,14 @@ def fingerprint(captured: CapturedGraph, *, as_device: str | None = None) -> str
     return digest.hexdigest()[:16]
 
 
+def capture_for(model: torch.nn.Module, args: tuple, kwargs: dict | None,
+                device: str | DeviceSpec | None) -> CapturedGraph:
+    """:func:`~planner.capture.capture` for a plan made for ``device``: dropout is spelled out so that a
+    recomputation can keep its masks only when the plan is for where the tensors are (no analytic ``device``);
+    a GPU's fused dropout draws differently (see :mod:`planner.dropout`)."""
+    return capture(model, args, kwargs, replay_dropout=device is None)
+
+
 def planned_module(captured: CapturedGraph, plan: Plan,
                    stage_nodes: tuple[tuple[str, ...], ...]) -> torch.fx.GraphModule:
     """The rewritten module running ``plan`` (as a solver returned it, for the stages ``stage_nodes`` lists)."""
@@ -186,9 +194,10 @@ def pose(captured: CapturedGraph, *, loss_fn: Callable | None = None, optimizer=
     blocks = stages if cut_at is Granularity.BLOCK else partition_stages(profile, max_stages=max_stages)
     block_ranges = refinement(blocks, stages)
     # never cached: random ops (the recomputation must draw the same numbers) and outputs later written in place
-    random_nodes = never_cached(list(captured.compute_nodes())) | mutated_nodes(captured.graph_module)
-    states = {n.name for n in captured.compute_nodes() if is_state(n)}
-    masks = {n.name for n in captured.compute_nodes() if is_mask(n)}
+    nodes = list(captured.compute_nodes())
+    random_nodes = never_cached(nodes) | mutated_nodes(captured.graph_module)
+    states = {n.name for n in nodes if is_state(n)}
+    masks = {n.name for n in nodes if is_mask(n)}
     problem = build_problem(profile, stages, random_nodes=random_nodes, always_kept=states, masks=masks,
                             extra_fixed_bytes=training_state_bytes(captured.graph_module, optimizer, ddp),
                             name=type(captured.graph_module).__name__, hold_outputs=hold_outputs)
@@ -416,7 +425,7 @@ def plan(model: torch.nn.Module, budget: int | str | None, example_inputs: Any =
     if sharding is not None:
         return _plan_sharded(model, _as_args(example_inputs), dict(example_kwargs or {}), sharding, budget,
                              options).plan
-    captured = capture(model, _as_args(example_inputs), example_kwargs, replay_dropout=device is None)
+    captured = capture_for(model, _as_args(example_inputs), example_kwargs, device)
     return _plan_captured(model, captured, budget, **options).plan
 
 
@@ -431,8 +440,7 @@ def _plan_sharded(model: torch.nn.Module, args: tuple, kwargs: dict, sharding: f
     every rank takes rank 0's plan. ``wrapper``: the optimized module, when it is sharded too."""
     fsdp.check_same_inputs_on_all_ranks(input_signature(args, kwargs))
     with fsdp.unsharded_for_capture(model, wrapper):
-        captured = dataclasses.replace(capture(model, args, kwargs, replay_dropout=options.get("device") is None),
-                                       sharding=sharding)
+        captured = dataclasses.replace(capture_for(model, args, kwargs, options.get("device")), sharding=sharding)
         fsdp.check_units_run_in_one_piece(captured.graph_module, sharding)
         posed = pose(captured, sharding=sharding, **{k: options[k] for k in _POSE_OPTIONS if k in options})
     problem = fsdp.per_rank_problem(posed.problem, posed.stage_nodes, captured, model, sharding,
@@ -522,7 +530,7 @@ class OptimizedModule(torch.nn.Module):
             self.add_plan(_plan_sharded(self.model, args, kwargs, sharding, self.budget, self._options, self))
             return
         try:
-            captured = capture(self.model, args, kwargs, replay_dropout=self._options.get("device") is None)
+            captured = capture_for(self.model, args, kwargs, self._options.get("device"))
         except PlannerError as error:
             self._parts = self._plan_parts(args, kwargs, error)
             return

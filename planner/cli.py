@@ -38,10 +38,10 @@ from typing import Any, Callable, Iterator, Sequence, TextIO
 import torch
 
 from . import __version__, solvers
-from .api import allocator_margin_for, captured_device_type, device_budget, fingerprint, pose
+from .api import allocator_margin_for, capture_for, captured_device_type, device_budget, fingerprint, pose
 from .budget import Budget, format_bytes, parse_budget
 from .devices import device_spec
-from .capture import CapturedGraph, capture
+from .capture import CapturedGraph
 from .costmodel import Granularity
 from .errors import InfeasibleBudgetError, PlannerError
 from .explain import explain
@@ -228,7 +228,7 @@ def open_session(args: argparse.Namespace, progress: Progress) -> Session:
     with progress.step(f"building the model from {args.model}"):
         model, inputs, kwargs = build_model(args.model)
     with progress.step(f"capturing {type(model).__name__}"), quiet_torch():
-        captured = capture(model, inputs, kwargs, replay_dropout=args.device is None)
+        captured = capture_for(model, inputs, kwargs, args.device)
     timed = f"analytic times for {args.device}" if args.device else f"{args.profile_repeats} timed run(s)"
     with progress.step(f"profiling ({timed})"), quiet_torch():
         posed = pose(captured, max_stages=args.max_stages, profile_repeats=args.profile_repeats, device=args.device,

@@ -40,6 +40,7 @@ from typing import AbstractSet, Callable, Sequence
 
 import torch.fx as fx
 
+from .dropout import is_mask
 from .errors import PlannerError
 from .problem import Phase, Problem, RecomputeOption, Schedule, Stage, TensorInfo, keeps, simulate
 from .profile import GraphProfile, NodeProfile, StageMeasurement
@@ -346,7 +347,6 @@ def never_cached(nodes: Sequence[fx.Node]) -> set[str]:
     >>> never_cached(list(captured.compute_nodes()))
     set()
     """
-    from .dropout import is_mask
     random = [n for n in nodes if is_random(n)]
     if all(is_mask(n) for n in random):
         return set()
