@@ -277,12 +277,32 @@ def _calibrate_checkpoint_overheads(captured: CapturedGraph, problem: Problem, s
     forward = [s.forward_seconds for s in problem.stages]
     saved_counts = [sum(1 for t in problem.tensors if k in t.savers) for k in range(n)]
     hooks = _correction(extra["checkpoint"].median, forward, saved_counts)
-    selective = [0.0] * n
+    selective: list[float | list[float]] = [0.0] * n
     if caching:
         cached = [problem.stages[k].recompute_options[1].recompute_seconds + hooks[k] for k in caching]
-        for k, share in zip(caching, _correction(caching_seconds, cached, [len(stage_nodes[k]) for k in caching])):
-            selective[k] = share
+        for k, c, share in zip(caching, cached, _correction(caching_seconds, cached,
+                                                           [len(stage_nodes[k]) for k in caching])):
+            selective[k] = _selective_shares(problem.stages[k], hooks[k], share / c if c > 0 else 0.0, share)
     return add_checkpoint_overheads(problem, hooks, selective)
+
+
+def _selective_shares(stage, hooks: float, relative: float, share: float) -> float | list[float]:
+    """What each caching option of ``stage`` is charged, from the ``share`` measured for the option timed (its
+    ``relative`` part of that option's cost): an excess is the dispatch mode's, the same for every option (it sees
+    every op); a shortfall means the nodes' times over-count, and shrinks each option in proportion, so a noisy low
+    measurement does not make the cheap options free.
+
+    >>> from planner.problem import RecomputeOption, Stage
+    >>> stage = Stage("s", 4.0, 8.0, options=(RecomputeOption("all", frozenset(), 4.0),
+    ...     RecomputeOption("some", frozenset({"a"}), 3.0), RecomputeOption("most", frozenset({"a", "b"}), 1.0)))
+    >>> _selective_shares(stage, 1.0, 0.25, 1.0)
+    1.0
+    >>> _selective_shares(stage, 1.0, -0.5, -2.0)
+    [0.0, -2.0, -1.0]
+    """
+    if share >= 0:
+        return share
+    return [relative * (o.recompute_seconds + hooks) if o.cached_nodes else 0.0 for o in stage.recompute_options]
 
 
 def _correction(measured: float, predicted: Sequence[float], counts: Sequence[int]) -> list[float]:

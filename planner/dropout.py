@@ -1,20 +1,21 @@
 """Dropout that a recomputation replays from its kept mask instead of drawing it again.
 
 On the CPU, drawing a dropout mask is the most expensive part of a transformer block's forward (``bernoulli_``
-over every attention score: about 25 ms of an 80 ms Llama block at 8x256 tokens), and the mask is a quarter of the
-bytes of what it masks. :func:`replayable_dropout` rewrites a captured graph so that each dropout draws its mask in a
-node of its own (:func:`dropout_mask`, one byte per element); a checkpoint region may then keep that mask and
-recompute only the cheap arithmetic around it. ``scaled_dot_product_attention`` with dropout runs PyTorch's own
+over every attention score: about 25 ms of an 80 ms Llama block at 8x256 tokens), and eager dropout saves its float
+noise for the backward: four bytes per element where one would do. :func:`replayable_dropout` rewrites a captured
+graph so that each dropout draws its mask in a node of its own (:func:`dropout_mask`, one byte per element) and
+applies it in another (:func:`apply_mask`, which saves the mask, not the noise, as CUDA's fused dropout does). A
+checkpoint region may then keep that mask and recompute only the cheap arithmetic around it; and every dropout
+saves a quarter of the bytes it did (a GPT-2 block at 8x256 tokens: 81 MiB saved for the backward, 28 MiB of it
+dropout noise). ``scaled_dot_product_attention`` with dropout runs PyTorch's own
 math path on the CPU; the pass spells that path out (`_spelled_attention`), so the mask inside it is a node
 too.
 
-Exactness: the rewritten graph does what eager does, op for op (``at::dropout``: ``empty_like(x).bernoulli_(1-p)``,
-divided by ``1-p``, times ``x``): same numbers, same gradients, same generator state after. Each mask node first
+Exactness: the rewritten graph computes what eager computes (``at::dropout``: ``empty_like(x).bernoulli_(1-p)``,
+divided by ``1-p``, times ``x``), bit for bit: same numbers, same gradients, same generator state after. Each mask node first
 takes the generator's state (:func:`rng_state`, a node of its own) and draws from it, so a recomputation that
 re-draws one mask while keeping another still draws the same numbers, and moves no generator; a region that caches
-anything keeps every such state (5 KiB each), see :mod:`planner.rewrite`. The pieces convert and allocate more
-than the one op they replace, so a planned module runs them only inside regions that cache, and the op whole
-elsewhere (:func:`whole_again`).
+anything keeps every such state (5 KiB each), see :mod:`planner.rewrite`.
 
 The pass runs on CPU graphs captured outside autocast (CUDA's fused dropout draws differently, and is cheap).
 
@@ -24,7 +25,7 @@ The pass runs on CPU graphs captured outside autocast (CUDA's fused dropout draw
 >>> replayable_dropout(graph_module)
 1
 >>> [n.name for n in graph_module.graph.nodes if n.op == "call_function"]
-['linear', 'dropout_state', 'dropout_mask', 'dropout_noise', 'dropout_scaled', 'dropout']
+['linear', 'dropout_state', 'dropout_mask', 'dropout']
 >>> _ = torch.manual_seed(0); expected = model(torch.ones(2, 4))
 >>> _ = torch.manual_seed(0); torch.equal(graph_module(torch.ones(2, 4)), expected)
 True
@@ -35,8 +36,7 @@ True
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import AbstractSet, Any
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -70,15 +70,17 @@ def _(like):
 def dropout_mask(like: torch.Tensor, p: float, state: torch.Tensor) -> torch.Tensor:
     """Which elements of ``like`` dropout keeps, drawn as ``at::dropout`` draws them, from generator ``state``.
 
-    When ``state`` is the generator's state now (the forward), it draws from the generator, which moves on as
-    eager's does; otherwise (a recomputation) from a private generator set to ``state``, leaving the device's
-    generator where it is."""
+    ``bernoulli_`` draws the same numbers into a ``bool`` tensor as into ``like``'s float one (whichever the type,
+    the CPU kernel draws integers and converts them), so the mask costs no float tensor and no conversion. When
+    ``state`` is the generator's state now (the forward), it draws from the generator, which moves on as eager's
+    does; otherwise (a recomputation) from a private generator set to ``state``, leaving the device's generator
+    where it is."""
     generator = None
     if not torch.equal(state, _generator_state(like.device)):
         generator = torch.Generator(like.device)
         generator.set_state(state)
-    noise = torch.empty_like(like, memory_format=torch.contiguous_format).bernoulli_(1 - p, generator=generator)
-    return noise.to(torch.bool)
+    return torch.empty_like(like, dtype=torch.bool, memory_format=torch.contiguous_format).bernoulli_(
+        1 - p, generator=generator)
 
 
 @dropout_mask.register_fake
@@ -86,9 +88,51 @@ def _(like, p, state):
     return torch.empty_like(like, dtype=torch.bool, memory_format=torch.contiguous_format)
 
 
+def _kept_scale(p: float, dtype: torch.dtype) -> torch.Tensor:
+    """What a kept element is multiplied by: ``1 / (1 - p)`` rounded as ``at::dropout``'s ``noise.div_(1 - p)``
+    rounds it (a 0-d tensor of ``dtype``: a Python float would be rounded from double)."""
+    return torch.ones((), dtype=dtype).div_(1 - p)
+
+
+@torch.library.custom_op(f"{_LIB}::apply_mask", mutates_args=())
+def apply_mask(x: torch.Tensor, mask: torch.Tensor, p: float) -> torch.Tensor:
+    """``x`` with dropout's ``mask`` applied: bit for bit ``at::dropout``'s ``x * (noise / (1 - p))``, as
+    ``x * mask`` is ``x`` or ``x * 0`` exactly. For the backward it saves the one-byte mask, where eager's product
+    saves the float noise."""
+    return _masked(x, mask).mul_(_kept_scale(p, x.dtype))
+
+
+def _masked(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``x * mask``, the mask read as bytes: the CPU multiplies by bytes about twice as fast as by booleans."""
+    return x.mul(mask.view(torch.uint8))
+
+
+@apply_mask.register_fake
+def _(x, mask, p):
+    return torch.empty_like(x)
+
+
+def _save_mask(ctx, inputs: tuple, output: torch.Tensor) -> None:
+    _, mask, p = inputs
+    ctx.save_for_backward(mask)
+    ctx.p = p
+
+
+def _apply_mask_backward(ctx, grad: torch.Tensor) -> tuple:
+    (mask,) = ctx.saved_tensors
+    return _masked(grad, mask).mul_(_kept_scale(ctx.p, grad.dtype)), None, None
+
+
+apply_mask.register_autograd(_apply_mask_backward, setup_context=_save_mask)
+
+# bernoulli_ draws into a 4-byte integer buffer when MKL is there, then converts
+_DRAW_BUFFER_BYTES = 4 if torch.backends.mkl.is_available() else 0
+
+
 def workspace_bytes(func: Any, args: tuple) -> int:
     """The most bytes an op of this module holds at once while it runs, where a dispatch mode cannot see inside
-    it (0 for any other op): :func:`dropout_mask` draws float noise, then keeps one byte per element.
+    it (0 for any other op): :func:`dropout_mask` draws into an integer buffer (with MKL), then keeps one byte per
+    element.
 
     >>> import torch
     >>> workspace_bytes(torch.ops.planner.dropout_mask.default, (torch.zeros(10), 0.1, None))
@@ -97,8 +141,7 @@ def workspace_bytes(func: Any, args: tuple) -> int:
     0
     """
     if func is torch.ops.planner.dropout_mask.default:
-        like = args[0]
-        return like.numel() * (like.element_size() + 1)
+        return args[0].numel() * (_DRAW_BUFFER_BYTES + 1)
     return 0
 
 
@@ -120,23 +163,9 @@ def _on_cpu(node: Any) -> bool:
         torch.float32, torch.float64)
 
 
-@dataclass(frozen=True)
-class SpelledOp:
-    """What a rewritten node was (its op and arguments), and the names of the nodes that now come before it."""
-
-    target: Any
-    args: tuple
-    kwargs: dict
-    pieces: tuple[str, ...]
-
-
-SPELLED = "planner_spelled"  # the node.meta key of the last node of a rewritten op
-
-
 class _Pieces:
     """Inserts the ops that replace ``node`` before it, each named after it (``dropout_3_mask``) and carrying its
-    module stack; :meth:`finish` turns ``node`` itself into the last op, so its name and users stay, and records
-    what it was in ``node.meta[SPELLED]``."""
+    module stack; :meth:`finish` turns ``node`` itself into the last op, so its name and users stay."""
 
     def __init__(self, node: fx.Node):
         self.node = node
@@ -151,45 +180,24 @@ class _Pieces:
         return new
 
     def finish(self, target: Any, args: tuple) -> None:
-        node = self.node
-        node.meta[SPELLED] = SpelledOp(node.target, node.args, dict(node.kwargs), tuple(self.added))
-        node.target, node.args, node.kwargs = target, args, {}
+        self.node.target, self.node.args, self.node.kwargs = target, args, {}
 
 
-def whole_again(graph: fx.Graph, spelled_in: AbstractSet[str]) -> tuple[dict[fx.Node, SpelledOp], set[fx.Node]]:
-    """The rewritten ops of ``graph`` that may run as the one op they were: those none of whose nodes is in
-    ``spelled_in`` (the nodes of checkpoint regions that cache). Drawing a mask costs the same either way, but the
-    pieces convert and allocate more. Returns the last node of each such op with what it was, and the nodes before
-    it that then do not run."""
-    whole: dict[fx.Node, SpelledOp] = {}
-    pieces: set[fx.Node] = set()
-    by_name = {n.name: n for n in graph.nodes}
-    for node in graph.nodes:
-        spelled = node.meta.get(SPELLED)
-        if spelled is None or node.name in spelled_in or any(p in spelled_in for p in spelled.pieces):
-            continue
-        whole[node] = spelled
-        pieces.update(by_name[p] for p in spelled.pieces)
-    return whole, pieces
-
-
-def _dropped(pieces: _Pieces, x: fx.Node, p: float, dtype: torch.dtype) -> tuple[Any, tuple]:
+def _dropped(pieces: _Pieces, x: fx.Node, p: float) -> tuple[Any, tuple]:
     """``at::dropout(x, p, train=True)`` on the CPU as pieces; returns the last op and its arguments."""
     state = pieces.add("state", STATE_OP, (x,))
     mask = pieces.add("mask", torch.ops.planner.dropout_mask.default, (x, p, state))
-    noise = pieces.add("noise", torch.ops.aten.to.dtype, (mask, dtype))
-    scaled = pieces.add("scaled", torch.ops.aten.div.Tensor, (noise, 1 - p))
-    return torch.ops.aten.mul.Tensor, (x, scaled)
+    return torch.ops.planner.apply_mask.default, (x, mask, p)
 
 
-def _dropout_args(node: fx.Node) -> tuple[fx.Node, float, torch.dtype] | None:
-    """``(x, p, dtype)`` of a training dropout this pass rewrites, else None."""
+def _dropout_args(node: fx.Node) -> tuple[fx.Node, float] | None:
+    """``(x, p)`` of a training dropout this pass rewrites, else None."""
     if node.target is not torch.ops.aten.dropout.default:
         return None
     x, p, train = (list(node.args) + [node.kwargs.get("p"), node.kwargs.get("train")])[:3]
     if not train or not isinstance(p, float) or not 0.0 < p < 1.0 or not _on_cpu(x):
         return None
-    return x, p, x.meta["val"].dtype
+    return x, p
 
 
 _SDPA_NAMES = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
@@ -237,7 +245,7 @@ def _spelled_attention(pieces: _Pieces, call: dict) -> tuple[Any, tuple]:
     if mask is not None:
         scores = pieces.add("masked", aten.add.Tensor, (scores, mask))
     weights = pieces.add("softmax", aten._safe_softmax.default, (scores, -1))
-    target, args = _dropped(pieces, weights, call["dropout_p"], dtype)
+    target, args = _dropped(pieces, weights, call["dropout_p"])
     dropped = pieces.add("dropped", target, args)
     return aten.matmul.default, (dropped, value)
 

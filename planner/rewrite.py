@@ -29,7 +29,7 @@ import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from .capture import written_arguments
-from .dropout import STATE_OP, SpelledOp, whole_again
+from .dropout import STATE_OP
 from .errors import PlannerError
 from .plan import Plan, PlannedRegion
 
@@ -188,34 +188,11 @@ def _region_nodes(graph: fx.Graph, stage_nodes: Sequence[Sequence[str]],
     return list(inside), hoisted
 
 
-def _inputs_of(n: fx.Node, whole: dict[fx.Node, SpelledOp]) -> list[fx.Node]:
-    spelled = whole.get(n)
-    if spelled is None:
-        return n.all_input_nodes
-    found: list[fx.Node] = []
-    fx.map_arg((spelled.args, spelled.kwargs), found.append)
-    return found
-
-
-def _copy(graph: fx.Graph, n: fx.Node, env: dict[fx.Node, fx.Node], whole: dict[fx.Node, SpelledOp]) -> fx.Node:
-    """``n`` copied into ``graph``; the last node of an op that :mod:`planner.dropout` spelled out runs as that one
-    op again where ``whole`` lists it (:func:`~planner.dropout.whole_again`)."""
-    spelled = whole.get(n)
-    if spelled is None:
-        return graph.node_copy(n, lambda x: env[x])
-    copied = graph.create_node("call_function", spelled.target, fx.map_arg(spelled.args, env.__getitem__),
-                               fx.map_arg(spelled.kwargs, env.__getitem__), name=n.name)
-    copied.meta = dict(n.meta)
-    return copied
-
-
-def _build_body(nodes: list[fx.Node], cached: set[str], whole: dict[fx.Node, SpelledOp],
-                pieces: AbstractSet[fx.Node]) -> tuple[fx.GraphModule, list[fx.Node], list[fx.Node]]:
+def _build_body(nodes: list[fx.Node], cached: set[str]) -> tuple[fx.GraphModule, list[fx.Node], list[fx.Node]]:
     inside = set(nodes)
-    nodes = [n for n in nodes if n not in pieces]
     inputs: list[fx.Node] = []
     for n in nodes:
-        for src in _inputs_of(n, whole):
+        for src in n.all_input_nodes:
             if src not in inside and src not in inputs:
                 inputs.append(src)
     outputs = [n for n in nodes if any(u not in inside for u in n.users)]
@@ -224,7 +201,7 @@ def _build_body(nodes: list[fx.Node], cached: set[str], whole: dict[fx.Node, Spe
     for n in nodes:
         if n.name in cached:
             body.call_function(planner_cache_on)
-        copied = _copy(body, n, env, whole)
+        copied = body.node_copy(n, lambda x: env[x])
         if n.target is torch.ops.aten.batch_norm.default:
             copied.target = planner_batch_norm
         env[n] = copied
@@ -245,10 +222,6 @@ def apply_plan(graph_module: fx.GraphModule, plan: Plan) -> fx.GraphModule:
             regions.append((i, region, nodes))
     first_of = {nodes[0]: (i, r, nodes) for i, r, nodes in regions}
     skipped = {n for _, _, nodes in regions for n in nodes}
-    # ops spelled out for dropout run whole again outside regions that cache: inside one, an op that draws from
-    # the generator's state in order would follow a kept mask that draws nothing while the region is recomputed
-    caching = {n.name for _, region, nodes in regions if region.cached_nodes for n in nodes}
-    whole, pieces = whole_again(old, caching)
     new = fx.Graph()
     new._codegen = copy.deepcopy(old._codegen)
     env: dict[fx.Node, fx.Node] = {}
@@ -256,7 +229,7 @@ def apply_plan(graph_module: fx.GraphModule, plan: Plan) -> fx.GraphModule:
     for n in old.nodes:
         if n in first_of:
             i, region, nodes = first_of[n]
-            body, inputs, outputs = _build_body(nodes, set(region.cached_nodes), whole, pieces)
+            body, inputs, outputs = _build_body(nodes, set(region.cached_nodes))
             for x in inputs:  # attributes (subgraphs of no_grad blocks) and hoisted updates the region reads
                 if x not in env and (x.op == "get_attr" or x in hoisted):
                     _copy_ahead(x, new, env)
@@ -268,8 +241,8 @@ def apply_plan(graph_module: fx.GraphModule, plan: Plan) -> fx.GraphModule:
                 env[out] = new.call_function(operator.getitem, (call, j))
                 env[out]._rename(out.name)
                 env[out].meta = dict(out.meta)
-        elif n not in skipped and n not in env and n not in pieces:
-            env[n] = _copy(new, n, env, whole)
+        elif n not in skipped and n not in env:
+            env[n] = new.node_copy(n, lambda x: env[x])
     for name, region in holder.named_children():
         graph_module.add_submodule(name, region)
     try:

@@ -99,7 +99,7 @@ def test_meters_count_the_noise_a_mask_draws_inside_the_op():
     assert workspace_bytes(torch.ops.planner.dropout_mask.default, (x, 0.1, state)) == 1000 * 5
     with LiveMemoryMeter() as meter:
         mask = dropout_mask(x, 0.1, state)
-    assert meter.peak_bytes == 1000 * 4 + 1000  # float noise and the boolean mask, at once
+    assert meter.peak_bytes == 1000 * 4 + 1000  # the integer draws and the boolean mask, at once
     assert meter.live_bytes == mask.untyped_storage().nbytes() == 1000
 
 
@@ -167,10 +167,9 @@ def test_caching_options_may_keep_masks_and_keep_their_states(blocks):
     assert sum(len(stage.recompute_options) > 1 for stage in problem.stages) == 2
 
 
-def test_ops_run_whole_again_outside_regions_that_cache(blocks):
-    """Spelled-out attention and dropout convert and allocate more than the ops they were: a plan runs them as
-    the one op again wherever no region caches (stored stages, regions that recompute everything), and spelled out
-    in a region that keeps something, where a re-drawn mask must draw from its own state."""
+def test_regions_that_cache_nothing_and_stored_blocks_train_bit_for_bit(blocks):
+    """A plan with a region keeping the first block's masks, one recomputing the second whole and the third block
+    stored: every dropout runs as mask and apply, and training is eager's, bit for bit."""
     model, x, captured, problem, stage_nodes = blocks
     masks = _masks_of(captured, "0")
     plan = Plan.from_schedule(problem, Schedule((Region(0, 1), Region(1, 2))), solver="test",
@@ -178,9 +177,48 @@ def test_ops_run_whole_again_outside_regions_that_cache(blocks):
     plan = dataclasses.replace(plan, stage_nodes=stage_nodes,
                                regions=(PlannedRegion(0, 1, cached_nodes=masks), PlannedRegion(1, 2)))
     planned = apply_plan(captured.graph_module, plan)
-    caching, plain = planned.get_submodule("region_0").body, planned.get_submodule("region_1").body
-    assert "dropout_mask" in caching.code and "scaled_dot_product_attention.default" not in caching.code
-    assert "dropout_mask" not in plain.code and "scaled_dot_product_attention.default" in plain.code
-    assert "dropout_mask" not in planned.code and "aten.dropout.default" in planned.code  # the stored third block
+    for code in (planned.code, planned.get_submodule("region_0").body.code,
+                 planned.get_submodule("region_1").body.code):
+        assert "dropout_mask" in code and "aten.dropout" not in code and "aten.scaled_dot_product" not in code
     run = lambda m: m(x).square().mean()  # noqa: E731
-    assert_same_training(training_step(model, run, (x,)), training_step(planned, run, (x,), owner=model), atol=0)
+    eager = training_step(model, run, (x,))
+    eager_next = torch.rand(4)
+    result = training_step(planned, run, (x,), owner=model)
+    assert torch.equal(torch.rand(4), eager_next)
+    assert_same_training(eager, result, atol=0)
+
+
+def test_dropout_saves_a_byte_per_element_for_the_backward_where_eager_saves_four():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Dropout(0.3), torch.nn.Linear(256, 8))
+    x = torch.randn(32, 64)
+    graph_module = capture(model, (x,)).graph_module
+    kept = {}
+    for name, module in (("eager", model), ("graph", graph_module)):
+        torch.manual_seed(1)
+        with LiveMemoryMeter() as meter:
+            out = module(x)
+        kept[name] = meter.live_bytes  # what the forward leaves alive for the backward, and the output
+        torch.manual_seed(1)
+        assert torch.equal(out, model(x))
+        del out
+    assert kept["eager"] - kept["graph"] == 32 * 256 * 3  # the noise (float) against the mask (bool)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("p", [0.1, 0.07, 0.5])
+def test_applying_a_mask_is_eager_dropout_bit_for_bit_even_at_infinities_and_signed_zeros(dtype, p):
+    x = torch.randn(4096, dtype=dtype)
+    x[:6] = torch.tensor([float("inf"), -float("inf"), float("nan"), -0.0, -1.0, 3.0], dtype=dtype)
+    torch.manual_seed(5)
+    noise = torch.empty_like(x).bernoulli_(1 - p)
+    noise[:6] = torch.tensor([0.0, 0.0, 0.0, 0.0, 0.0, 1.0], dtype=dtype)  # inf, nan and -0 dropped; 3 kept
+    mask = noise.bool()
+    eager = x * noise.div_(1 - p)  # at::dropout, op for op
+    bits = torch.int64 if dtype == torch.float64 else torch.int32
+    ours = torch.ops.planner.apply_mask(x, mask, p)
+    assert torch.equal(ours.view(bits), eager.view(bits))
+    grad = torch.randn_like(x)
+    x.requires_grad_(True)
+    (ours_grad,) = torch.autograd.grad(torch.ops.planner.apply_mask(x, mask, p), x, grad)
+    assert torch.equal(ours_grad.view(bits), (grad * noise).view(bits))  # MulBackward: grad times the noise

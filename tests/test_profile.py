@@ -19,15 +19,15 @@ def test_nodes_record_allocations_reads_saved_tensors_and_flops():
     x = torch.randn(32, 16)
     profile = profile_graph(capture(model, (x,)), repeats=1)
     by_target = {p.name: p for p in profile.nodes}
-    linear, relu, mask, scaled, dropout, linear_1 = (
-        by_target[n] for n in ("linear", "relu", "dropout_mask", "dropout_scaled", "dropout", "linear_1"))
+    linear, relu, mask, dropout, linear_1 = (
+        by_target[n] for n in ("linear", "relu", "dropout_mask", "dropout", "linear_1"))
     assert linear.created_bytes == 32 * 64 * 4 and linear.flops == 2 * 32 * 16 * 64
     assert linear.param_reads == {"0.weight", "0.bias"}
     assert relu.saved == {relu.created[0].key}  # relu saves its output
     assert relu.created[0].key in dropout.reads and relu.created[0].key in mask.reads
-    # the mask keeps a byte per element; the float noise it draws first is its busiest moment
+    # the mask keeps a byte per element; the integers it draws first are its busiest moment
     assert mask.created_bytes == 32 * 64 and mask.busiest_bytes == 32 * 64 * (4 + 1)
-    assert dropout.saved == {scaled.created[0].key}  # x * noise saves the scaled noise
+    assert dropout.saved == {mask.created[0].key}  # applying the mask saves the mask, not float noise
     assert dropout.created_bytes == 32 * 64 * 4
     assert dropout.created[0].key in linear_1.saved  # linear saves its input
     assert profile.output_keys == {linear_1.created[0].key}
