@@ -6,16 +6,15 @@ noise for the backward: four bytes per element where one would do. :func:`replay
 graph so that each dropout draws its mask in a node of its own (:func:`dropout_mask`, one byte per element) and
 applies it in another (:func:`apply_mask`, which saves the mask, not the noise, as CUDA's fused dropout does). A
 checkpoint region may then keep that mask and recompute only the cheap arithmetic around it; and every dropout
-saves a quarter of the bytes it did (a GPT-2 block at 8x256 tokens: 81 MiB saved for the backward, 28 MiB of it
-dropout noise). ``scaled_dot_product_attention`` with dropout runs PyTorch's own
-math path on the CPU; the pass spells that path out (`_spelled_attention`), so the mask inside it is a node
-too.
+keeps a quarter of the bytes it did for the backward (the demo-size GPT-2's eager peak: 445 MiB, against 513 MiB).
+``scaled_dot_product_attention`` with dropout runs PyTorch's own math path on the CPU; the pass spells that path
+out (`_spelled_attention`), so the mask inside it is a node too.
 
 Exactness: the rewritten graph computes what eager computes (``at::dropout``: ``empty_like(x).bernoulli_(1-p)``,
-divided by ``1-p``, times ``x``), bit for bit: same numbers, same gradients, same generator state after. Each mask node first
-takes the generator's state (:func:`rng_state`, a node of its own) and draws from it, so a recomputation that
-re-draws one mask while keeping another still draws the same numbers, and moves no generator; a region that caches
-anything keeps every such state (5 KiB each), see :mod:`planner.rewrite`.
+divided by ``1-p``, times ``x``), bit for bit: same numbers, same gradients, same generator state after. Each mask
+node first takes the generator's state (:func:`rng_state`, a node of its own) and draws from it, so a
+recomputation that re-draws one mask while keeping another still draws the same numbers, and moves no generator; a
+region that caches anything keeps every such state (5 KiB each), see :mod:`planner.rewrite`.
 
 The pass runs on CPU graphs captured outside autocast (CUDA's fused dropout draws differently, and is cheap).
 
