@@ -225,7 +225,7 @@ def _calibrate_checkpoint_overheads(captured: CapturedGraph, problem: Problem, s
                                     repeats: int) -> Problem:
     """Time eager, every stage checkpointed, and every stage that has caching options checkpointed with its first;
     what those steps cost beyond the recomputation the model predicts is the checkpoint machinery's (and the error
-    of summing the nodes' own times), charged to every option, and to every caching option.
+    of summing the nodes' own times), charged to every option, and to every caching option (see :func:`_charges`).
 
     Plain checkpointing is timed against eager on its own, as a training loop runs it: interleaved with the
     caching options (a dispatch mode, and the cache's allocations), Llama's checkpoint overhead measured 52% on
@@ -274,35 +274,37 @@ def _calibrate_checkpoint_overheads(captured: CapturedGraph, problem: Problem, s
     eager = sum(s.forward_seconds + s.backward_seconds for s in problem.stages)
     if eager > 0:  # the profile's fastest-of-a-few times, scaled to the typical eager step
         problem = scale_seconds(problem, extra["eager"].median / eager)
-    forward = [s.forward_seconds for s in problem.stages]
     saved_counts = [sum(1 for t in problem.tensors if k in t.savers) for k in range(n)]
-    hooks = _correction(extra["checkpoint"].median, forward, saved_counts)
+    hooks = _correction(extra["checkpoint"].median, [s.forward_seconds for s in problem.stages], saved_counts)
+    problem = add_checkpoint_overheads(problem, [_charges([o.recompute_seconds for o in s.recompute_options],
+                                                          hook, s.forward_seconds)
+                                                 for s, hook in zip(problem.stages, hooks)], [0.0] * n)
+    if not caching:
+        return problem
+    cached = [problem.stages[k].recompute_options[1].recompute_seconds for k in caching]
     selective: list[float | list[float]] = [0.0] * n
-    if caching:
-        cached = [problem.stages[k].recompute_options[1].recompute_seconds + hooks[k] for k in caching]
-        for k, c, share in zip(caching, cached, _correction(caching_seconds, cached,
-                                                           [len(stage_nodes[k]) for k in caching])):
-            selective[k] = _selective_shares(problem.stages[k], hooks[k], share / c if c > 0 else 0.0, share)
-    return add_checkpoint_overheads(problem, hooks, selective)
+    for k, timed_cost, share in zip(caching, cached, _correction(caching_seconds, cached,
+                                                                 [len(stage_nodes[k]) for k in caching])):
+        selective[k] = _charges([o.recompute_seconds for o in problem.stages[k].recompute_options], share,
+                                timed_cost)
+    return add_checkpoint_overheads(problem, [0.0] * n, selective)
 
 
-def _selective_shares(stage, hooks: float, relative: float, share: float) -> float | list[float]:
-    """What each caching option of ``stage`` is charged, from the ``share`` measured for the option timed (its
-    ``relative`` part of that option's cost): an excess is the dispatch mode's, the same for every option (it sees
-    every op); a shortfall means the nodes' times over-count, and shrinks each option in proportion, so a noisy low
-    measurement does not make the cheap options free.
+def _charges(costs: Sequence[float], share: float, timed_cost: float) -> list[float]:
+    """What each of a stage's options (now costing ``costs``) is charged, from the ``share`` that a measurement
+    charged to the one timed (costing ``timed_cost``): an excess is the checkpoint machinery's, the same for every
+    option (hooks per saved tensor; a dispatch mode that sees every op); a shortfall means the nodes' own times
+    over-count, and shrinks each option in proportion. Charged flat, a noisy low measurement would make the options
+    that recompute little free, and push the others' share onto them.
 
-    >>> from planner.problem import RecomputeOption, Stage
-    >>> stage = Stage("s", 4.0, 8.0, options=(RecomputeOption("all", frozenset(), 4.0),
-    ...     RecomputeOption("some", frozenset({"a"}), 3.0), RecomputeOption("most", frozenset({"a", "b"}), 1.0)))
-    >>> _selective_shares(stage, 1.0, 0.25, 1.0)
-    1.0
-    >>> _selective_shares(stage, 1.0, -0.5, -2.0)
-    [0.0, -2.0, -1.0]
+    >>> _charges([4.0, 3.0, 1.0], 1.0, 3.0)
+    [1.0, 1.0, 1.0]
+    >>> _charges([4.0, 3.0, 1.0], -1.5, 3.0)
+    [-2.0, -1.5, -0.5]
     """
-    if share >= 0:
-        return share
-    return [relative * (o.recompute_seconds + hooks) if o.cached_nodes else 0.0 for o in stage.recompute_options]
+    if share >= 0 or timed_cost <= 0:
+        return [share] * len(costs)
+    return [cost * share / timed_cost for cost in costs]
 
 
 def _correction(measured: float, predicted: Sequence[float], counts: Sequence[int]) -> list[float]:

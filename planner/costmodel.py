@@ -644,20 +644,25 @@ def scale_seconds(problem: Problem, factor: float) -> Problem:
     return dataclasses.replace(problem, stages=stages)
 
 
-def add_checkpoint_overheads(problem: Problem, checkpoint_seconds: Sequence[float],
+def add_checkpoint_overheads(problem: Problem, checkpoint_seconds: Sequence[float | Sequence[float]],
                              selective_seconds: Sequence[float | Sequence[float]]) -> Problem:
     """Charge each way of recomputing a stage what the checkpoint machinery costs beyond the recomputation itself:
     ``checkpoint_seconds[k]`` for running stage ``k`` in a region (saved-tensor hooks, the recomputation's
-    bookkeeping) and ``selective_seconds[k]`` more when the option caches nodes (a dispatch mode sees every op):
-    one number for all of the stage's caching options, or one per option (index 0, caching nothing, is ignored).
-    A correction may be negative (the sum of the nodes' own times over-counted); no option costs below zero.
+    bookkeeping) and ``selective_seconds[k]`` more when the option caches nodes (a dispatch mode sees every op).
+    Each is one number for all of the stage's options, or one per option (the selective one ignored at index 0,
+    which caches nothing). A correction may be negative (the sum of the nodes' own times over-counted); no option
+    costs below zero.
     """
     stages = []
     for stage, hooks, selective in zip(problem.stages, checkpoint_seconds, selective_seconds):
-        per_option = ([selective] * len(stage.recompute_options) if isinstance(selective, (int, float))
-                      else list(selective))
-        options = tuple(dataclasses.replace(o, recompute_seconds=max(0.0, o.recompute_seconds + hooks
+        count = len(stage.recompute_options)
+        options = tuple(dataclasses.replace(o, recompute_seconds=max(0.0, o.recompute_seconds + hook
                                                                      + (extra if o.cached_nodes else 0.0)))
-                        for o, extra in zip(stage.recompute_options, per_option))
+                        for o, hook, extra in zip(stage.recompute_options, _per_option(hooks, count),
+                                                  _per_option(selective, count)))
         stages.append(dataclasses.replace(stage, options=options))
     return dataclasses.replace(problem, stages=tuple(stages))
+
+
+def _per_option(charge: float | Sequence[float], count: int) -> list[float]:
+    return [charge] * count if isinstance(charge, (int, float)) else list(charge)
