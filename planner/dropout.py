@@ -168,14 +168,12 @@ class _Pieces:
 
     def __init__(self, node: fx.Node):
         self.node = node
-        self.added: list[str] = []
 
     def add(self, piece: str, target: Any, args: tuple, kwargs: dict | None = None) -> fx.Node:
         with self.node.graph.inserting_before(self.node):
             new = self.node.graph.call_function(target, args, kwargs or {})
         new._rename(f"{self.node.name}_{piece}")
         new.meta.update({k: v for k, v in self.node.meta.items() if k in ("nn_module_stack", "stack_trace")})
-        self.added.append(new.name)
         return new
 
     def finish(self, target: Any, args: tuple) -> None:
