@@ -120,6 +120,17 @@ class Stage:
         extra = None if option is None else self.recompute_options[option].forward_bytes
         return self.forward_workspace_bytes if extra is None else max(self.forward_workspace_bytes, extra)
 
+    def forward_extra_of(self, option: int) -> int:
+        """Bytes the forward of this stage needs inside a region with ``option`` beyond what it needs stored (what
+        it saves dies early there, but lives for a while).
+
+        >>> stage = Stage("s", 1.0, 2.0, forward_workspace_bytes=10,
+        ...               options=(RecomputeOption("recompute_all", frozenset(), 1.0, forward_bytes=50),))
+        >>> stage.forward_extra_of(0)
+        40
+        """
+        return self.forward_workspace_of(option) - self.forward_workspace_bytes
+
     def plus_forward_bytes(self, nbytes: int) -> "Stage":
         """This stage with ``nbytes`` more in every forward event (stored or in a region); its recompute workspace
         stays."""

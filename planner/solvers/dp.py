@@ -166,7 +166,7 @@ def _stage_sums(tensors: tuple[_Local, ...], stage: Stage, rerun: _Rerun) -> _St
     kinds = (*KINDS, NONE)
     options = range(len(stage.recompute_options))
     # a stage's forward inside a region may need more workspace than stored (what it saves dies early, but lives)
-    extra = [stage.forward_workspace_of(o) - stage.forward_workspace_bytes for o in options]
+    extra = [stage.forward_extra_of(o) for o in options]
     return _StageSums(
         total(lambda t: t.saved_self), total(lambda t: t.saved_self or t.saved_next),
         tuple(total(lambda t: o in t.caching) for o in options),

@@ -416,7 +416,7 @@ class Encoding:
         reruns = self._rerun_peaks()
         for k, stage in enumerate(problem.stages):  # a stage's first forward inside a region, with its option
             for o in range(len(stage.recompute_options)):
-                extra = stage.forward_workspace_of(o) - stage.forward_workspace_bytes
+                extra = stage.forward_extra_of(o)
                 if extra:
                     terms.forward[k].append(extra * self.choose[k][o])
         events = [Event(Phase.FORWARD, k, pulp.lpSum(terms.forward[k])) for k in range(n)]
