@@ -130,6 +130,24 @@ def _masks_of(captured, block: str) -> tuple[str, ...]:
     return tuple(n.name for n in captured.compute_nodes() if is_mask(n) and module_path(n).startswith(block))
 
 
+def _planned(blocks, *regions: PlannedRegion):
+    """The captured blocks run by a plan of exactly ``regions`` (each with the nodes it caches)."""
+    model, x, captured, problem, stage_nodes = blocks
+    plan = Plan.from_schedule(problem, Schedule(tuple(Region(r.start, r.stop) for r in regions)), solver="test",
+                              status=SolverStatus.HEURISTIC)
+    return apply_plan(captured.graph_module, dataclasses.replace(plan, regions=regions, stage_nodes=stage_nodes))
+
+
+def _assert_trains_like_eager(model, planned, x):
+    """Loss, gradients and the generator's next numbers after a step of ``planned`` are eager's, bit for bit."""
+    run = lambda m: m(x).square().mean()  # noqa: E731
+    eager = training_step(model, run, (x,))
+    eager_next = torch.rand(4)
+    result = training_step(planned, run, (x,), owner=model)
+    assert torch.equal(torch.rand(4), eager_next)
+    assert_same_training(eager, result, atol=0)
+
+
 @pytest.mark.parametrize("kept", [("0",), ("1",), ("0", "1"), ()], ids=["first", "second", "both", "none"])
 def test_regions_that_keep_some_masks_and_redraw_others_train_bit_for_bit(blocks, kept):
     """One region over the first two blocks keeps the masks of some blocks and re-draws the others (after or
@@ -139,15 +157,8 @@ def test_regions_that_keep_some_masks_and_redraw_others_train_bit_for_bit(blocks
     assert problem.num_stages == 3
     cached = sum((_masks_of(captured, block) for block in kept), ())
     cached += tuple(n.name for n in captured.compute_nodes() if n.name == "linear")  # the first qkv projection
-    plan = Plan.from_schedule(problem, Schedule((Region(0, 2),)), solver="test", status=SolverStatus.HEURISTIC)
-    plan = dataclasses.replace(plan, regions=(PlannedRegion(0, 2, cached_nodes=cached),), stage_nodes=stage_nodes)
-    planned = apply_plan(captured.graph_module, plan)
-    run = lambda m: m(x).square().mean()  # noqa: E731
-    eager = training_step(model, run, (x,))
-    eager_next = torch.rand(4)
-    result = training_step(planned, run, (x,), owner=model)
-    assert torch.equal(torch.rand(4), eager_next)
-    assert_same_training(eager, result, atol=0)
+    planned = _planned(blocks, PlannedRegion(0, 2, cached_nodes=cached))
+    _assert_trains_like_eager(model, planned, x)
 
 
 def test_caching_options_may_keep_masks_and_keep_their_states(blocks):
@@ -171,21 +182,11 @@ def test_regions_that_cache_nothing_and_stored_blocks_train_bit_for_bit(blocks):
     """A plan with a region keeping the first block's masks, one recomputing the second whole and the third block
     stored: every dropout runs as mask and apply, and training is eager's, bit for bit."""
     model, x, captured, problem, stage_nodes = blocks
-    masks = _masks_of(captured, "0")
-    plan = Plan.from_schedule(problem, Schedule((Region(0, 1), Region(1, 2))), solver="test",
-                              status=SolverStatus.HEURISTIC)
-    plan = dataclasses.replace(plan, stage_nodes=stage_nodes,
-                               regions=(PlannedRegion(0, 1, cached_nodes=masks), PlannedRegion(1, 2)))
-    planned = apply_plan(captured.graph_module, plan)
+    planned = _planned(blocks, PlannedRegion(0, 1, cached_nodes=_masks_of(captured, "0")), PlannedRegion(1, 2))
     for code in (planned.code, planned.get_submodule("region_0").body.code,
                  planned.get_submodule("region_1").body.code):
         assert "dropout_mask" in code and "aten.dropout" not in code and "aten.scaled_dot_product" not in code
-    run = lambda m: m(x).square().mean()  # noqa: E731
-    eager = training_step(model, run, (x,))
-    eager_next = torch.rand(4)
-    result = training_step(planned, run, (x,), owner=model)
-    assert torch.equal(torch.rand(4), eager_next)
-    assert_same_training(eager, result, atol=0)
+    _assert_trains_like_eager(model, planned, x)
 
 
 def test_dropout_saves_a_byte_per_element_for_the_backward_where_eager_saves_four():
