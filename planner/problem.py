@@ -233,7 +233,17 @@ class Schedule:
     @classmethod
     def uniform(cls, num_stages: int) -> "Schedule":
         """Every stage its own region, recomputed entirely: what ``gradient_checkpointing_enable`` does per layer."""
-        return cls(tuple(Region(i, i + 1) for i in range(num_stages)))
+        return cls.prefix(num_stages)
+
+    @classmethod
+    def prefix(cls, count: int) -> "Schedule":
+        """The first ``count`` stages each in its own region, recomputed entirely, the rest stored: checkpointing
+        only as many blocks as a budget needs, as a careful user does by hand.
+
+        >>> [(r.start, r.stop) for r in Schedule.prefix(2).regions]
+        [(0, 1), (1, 2)]
+        """
+        return cls(tuple(Region(k, k + 1) for k in range(count)))
 
     @classmethod
     def from_segments(cls, segments: Iterable[tuple[int, int]]) -> "Schedule":

@@ -30,7 +30,7 @@ from typing import Callable, Sequence
 from ..budget import format_bytes
 from ..errors import InfeasibleBudgetError, PlannerError
 from ..plan import Plan, SolverStatus
-from ..problem import Problem, Region, Schedule, simulate
+from ..problem import Problem, Schedule, simulate
 
 BASELINES = ("store_all", "uniform", "chen_sqrt", "fewest_blocks")
 
@@ -90,13 +90,13 @@ def block_checkpoints(ranges: Sequence[tuple[int, int]]) -> list[Schedule]:
     >>> [[(r.start, r.stop) for r in s.regions] for s in block_checkpoints([(0, 2), (2, 3)])]
     [[], [(0, 2)], [(0, 2), (2, 3)], []]
     """
-    prefixes = [Schedule(tuple(Region(k, k + 1) for k in range(count))) for count in range(len(ranges) + 1)]
+    prefixes = [Schedule.prefix(count) for count in range(len(ranges) + 1)]
     return [s.refined(ranges) for s in prefixes + [chen_sqrt_of(len(ranges))]]
 
 
 def checkpoint_prefix(problem: Problem, count: int) -> Schedule:
     """Stages ``0 .. count-1`` each in their own region, recomputed entirely; the rest stored."""
-    return Schedule(tuple(Region(k, k + 1) for k in range(min(count, problem.num_stages))))
+    return Schedule.prefix(min(count, problem.num_stages))
 
 
 def fewest_blocks(problem: Problem, budget_bytes: int) -> Schedule | None:
