@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from benchmarks.run import machine
+from benchmarks.run import add_heap_argument, heap_setting, machine
 from examples.common import EXAMPLES, build_example
 from planner import solvers
 from planner.api import planned_module, pose_problem
@@ -126,14 +126,16 @@ def main(argv=None) -> list[FidelityRow]:
     parser.add_argument("--granularity", default="block", choices=[g.value for g in Granularity],
                         help="where the planner may cut stages")
     parser.add_argument("--solve-seconds", type=float, default=None, help="the solver's limit per plan")
+    add_heap_argument(parser)
     parser.add_argument("--out", default=None, help="also write the report there (Markdown), e.g. "
                                                    "benchmarks/FIDELITY.md")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    lines = [f"Machine: {machine()}. Size {args.size}; budget points go from the smallest feasible peak (0%) to the "
-             f"eager peak (100%); overheads are medians over {args.repeats} interleaved rounds, ± their standard "
-             f"error. Command: `python -m benchmarks.fidelity {' '.join(argv if argv is not None else sys.argv[1:])}`.",
+    heap = heap_setting(args.heap)
+    lines = [f"Machine: {machine()}; heap: {heap}. Size {args.size}; budget points go from the smallest feasible "
+             f"peak (0%) to the eager peak (100%); overheads are medians over {args.repeats} interleaved rounds, ± "
+             f"their standard error. Command: `python -m benchmarks.fidelity {' '.join(argv if argv is not None else sys.argv[1:])}`.",
              "", "```"]
     header = (f"{'model':11s} {'point':>5s} {'budget':>10s} {'predicted':>10s} {'measured':>10s} {'error':>7s} "
               f"{'overhead pred':>13s} {'vs graph':>15s} {'vs model':>9s} {'holds':>5s}")

@@ -58,7 +58,7 @@ from planner.errors import InfeasibleBudgetError
 from planner.meter import allocator_peak_bytes, storage_bytes
 from planner.plan import Plan, SolverStatus
 from planner.problem import Schedule
-from planner.timing import Estimate, interleaved_rounds, paired_ratios
+from planner.timing import Estimate, interleaved_rounds, keep_freed_memory, paired_ratios
 from planner.solvers.baselines import block_checkpoints
 
 METHODS = ("eager", "uniform", "prefix", "chen_sqrt", "compile", "planner")
@@ -633,6 +633,19 @@ def report(rows: Sequence[Row], header: str) -> str:
             f"## Summary\n\n{summary(rows)}\n\n{PUBLISHED}")
 
 
+def add_heap_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--heap", default="kept", choices=["kept", "glibc"],
+                        help="kept (default): freed memory stays with the process between steps, see "
+                             "keep_freed_memory; glibc: malloc's defaults, which give it back to the kernel")
+
+
+def heap_setting(heap: str) -> str:
+    """Apply the ``--heap`` choice and say, for the report's machine line, what the heap did."""
+    if heap == "kept" and keep_freed_memory():
+        return "freed memory kept between steps (glibc mallopt: no trimming, no mmap)"
+    return "malloc's defaults"
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=list(EXAMPLES), choices=list(EXAMPLES))
@@ -649,6 +662,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--solve-seconds", type=float, default=SOLVE_SECONDS, help="the solver's limit per plan")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch intra-op threads (1 steadies timings on a machine shared with other work)")
+    add_heap_argument(parser)
     parser.add_argument("--quick", action="store_true",
                         help="smoke mode: largeblock, eager/uniform/planner, 1 round, nothing written")
     parser.add_argument("--out", default=None, help=f"where to write the report (default {OUT}; none with --quick)")
@@ -668,10 +682,11 @@ def main(argv=None) -> list[Row]:
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    heap = heap_setting(args.heap)
     log = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
-    header = (f"Machine: {machine()}.\n\nSize `{args.size}`, {args.repeats} interleaved rounds (time ratios are "
-              f"per round, against eager's step in the same round), budgets {args.budgets} of the eager peak, "
-              f"activation_memory_budget {args.compile_ratios}, planner stages cut at granularity "
+    header = (f"Machine: {machine()}; heap: {heap}.\n\nSize `{args.size}`, {args.repeats} interleaved rounds (time "
+              f"ratios are per round, against eager's step in the same round), budgets {args.budgets} of the eager "
+              f"peak, activation_memory_budget {args.compile_ratios}, planner stages cut at granularity "
               f"`{args.granularity}`, each solve limited to {args.solve_seconds:g} s. Command: "
               f"`python -m benchmarks.run {' '.join(argv if argv is not None else sys.argv[1:])}`.")
     rows: list[Row] = []
