@@ -21,6 +21,7 @@ import torch
 
 import planner
 from planner.budget import format_bytes
+from planner.timing import keep_freed_memory
 
 from .common import build_example
 
@@ -53,6 +54,8 @@ def main(argv=None) -> None:
     parser.add_argument("--steps", type=int, default=3, help="training steps with AdamW on the planned model")
     parser.add_argument("--repeats", type=int, default=5, help="timed steps per method")
     args = parser.parse_args(argv)
+    if keep_freed_memory():  # otherwise eager's step faults its freed memory in again: see its docstring
+        print("heap: freed memory kept between steps, as the CUDA caching allocator keeps it")
 
     example = build_example("gpt2", size=args.size)
     model = example.model
