@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import math
 import platform
+import struct
 from typing import Any
 
 import torch
@@ -83,23 +84,53 @@ def dropout_mask(like: torch.Tensor, p: float, state: torch.Tensor) -> torch.Ten
         1 - p, generator=generator)
 
 
-def _kept_scale(p: float, dtype: torch.dtype) -> torch.Tensor:
+def _kept_scale(p: float, dtype: torch.dtype) -> float | torch.Tensor:
     """What a kept element is multiplied by: ``1 / (1 - p)`` rounded as ``at::dropout``'s ``noise.div_(1 - p)``
-    rounds it (a 0-d tensor of ``dtype``: a Python float would be rounded from double)."""
+    rounds it. For ``float32`` and ``float64`` a Python float (a division in double, rounded to ``float32``, is
+    ``float32``'s own correctly rounded division), so that no tensor is read back, which ``torch.compile`` could
+    not trace; for other types a 0-d tensor of ``dtype``.
+
+    >>> _kept_scale(0.1, torch.float32) == torch.ones((), dtype=torch.float32).div_(0.9).item() != 1 / 0.9
+    True
+    """
+    if dtype == torch.float64:
+        return 1.0 / (1 - p)
+    if dtype == torch.float32:
+        return _to_float32(1.0 / _to_float32(1 - p))
     return torch.ones((), dtype=dtype).div_(1 - p)
+
+
+def _to_float32(value: float) -> float:
+    return struct.unpack("f", struct.pack("f", value))[0]
+
+
+def _in_one_pass(x: torch.Tensor) -> bool:
+    """Whether :func:`apply_mask` writes its output over the converted mask: for a contiguous ``x`` whose kept
+    scale is a Python float."""
+    return x.is_contiguous() and x.dtype in (torch.float32, torch.float64)
 
 
 def apply_mask(x: torch.Tensor, mask: torch.Tensor, p: float) -> torch.Tensor:
     """``x`` with dropout's ``mask`` applied: bit for bit ``at::dropout``'s ``x * (noise / (1 - p))``, as
     ``x * mask`` is ``x`` or ``x * 0`` exactly. For the backward it saves the one-byte mask, where eager's product
     saves the float noise."""
-    return _masked(x, mask).mul_(_kept_scale(p, x.dtype))
+    return _masked(x, mask, p)
 
 
-def _masked(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """``x * mask``, the mask converted from bytes (about four times as fast as from booleans) to ``x``'s type
-    first, in a temporary: a product of mixed types on the CPU would make the same temporary, out of sight."""
-    return x.mul(mask.view(torch.uint8).to(x.dtype))
+def _masked(x: torch.Tensor, mask: torch.Tensor, p: float) -> torch.Tensor:
+    """``x * mask * scale`` as eager's ``x * noise`` rounds it, with ``noise = mask * scale``.
+
+    The mask is converted to ``x``'s type (from bytes: about four times as fast as from booleans), and
+    ``-0 + (scale * x) * mask`` is written over it in one pass (``addcmul``): ``(scale * x) * 1`` is ``x * scale``,
+    ``(scale * x) * 0`` is ``x * 0`` (a zero of ``x``'s sign; NaN where ``x`` is infinite), and adding ``-0``
+    changes neither. Three passes over ``x``'s size (converting, multiplying, scaling) become two, as fast as
+    eager's product alone. A non-contiguous ``x`` takes the three, so that the result keeps its layout, as eager's
+    product does, and so do types other than ``float32`` and ``float64``."""
+    noise = mask.view(torch.uint8).to(x.dtype)
+    scale = _kept_scale(p, x.dtype)
+    if not _in_one_pass(x):
+        return x.mul(noise).mul_(scale)
+    return torch.addcmul(torch.full((), -0.0, dtype=x.dtype), x, noise, value=scale, out=noise)
 
 
 class _MaskApplied(torch.autograd.Function):
@@ -115,7 +146,7 @@ class _MaskApplied(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         (mask,) = ctx.saved_tensors
-        return _masked(grad, mask).mul_(_kept_scale(ctx.p, grad.dtype)), None, None
+        return _masked(grad, mask, ctx.p), None, None
 
 
 def _apply_mask_autograd(x, mask, p):
@@ -161,20 +192,22 @@ _DRAW_BUFFER_BYTES = 4 if _draws_through_a_buffer() else 0
 def workspace_bytes(func: Any, args: tuple) -> int:
     """The most bytes an op of this module holds at once while it runs, where a dispatch mode cannot see inside
     it (0 for any other op): :func:`dropout_mask` keeps one byte per element (and with MKL on an Intel CPU first
-    draws into a 4-byte integer buffer); :func:`apply_mask` holds its output and the mask converted to ``x``'s type.
+    draws into a 4-byte integer buffer); :func:`apply_mask` converts the mask to ``x``'s type and writes its output
+    over it (beside it, for a non-contiguous ``x`` or a type other than ``float32`` and ``float64``).
 
     >>> import torch
     >>> workspace_bytes(torch.ops.planner.dropout_mask.default, (torch.zeros(10), 0.1, None)) in (10, 50)
     True
     >>> workspace_bytes(torch.ops.planner.apply_mask.default, (torch.zeros(10), torch.ones(10, dtype=torch.bool), 0.1))
-    80
+    40
     >>> workspace_bytes(torch.ops.aten.mul.Tensor, (torch.zeros(10), 2.0))
     0
     """
     if func is MASK_OP:
         return args[0].numel() * (_DRAW_BUFFER_BYTES + 1)
-    if func is APPLY_OP:
-        return 2 * args[0].numel() * args[0].element_size()
+    if func is APPLY_OP:  # the mask converted to x's type, which becomes the output (beside it, when not in place)
+        x = args[0]
+        return (1 if _in_one_pass(x) else 2) * x.numel() * x.element_size()
     return 0
 
 

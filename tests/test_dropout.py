@@ -96,19 +96,23 @@ def test_a_mask_replays_from_its_state_whatever_was_drawn_since():
 def test_what_the_ops_hold_out_of_the_meters_sight_is_what_the_allocator_holds():
     """Both meters add ``workspace_bytes`` for what a dropout op allocates inside itself; the CPU allocator (the
     profiler's memory events) sees it all: the mask's draw (and its integer buffer, on an Intel CPU with MKL), and
-    the apply's output with the mask converted to floats. (The generator's state that a draw compares with its own,
-    5 KiB, comes and goes before it; the tensors are larger.)"""
+    the mask that the apply converts to floats and writes its output over. Not counted: the generator's state a
+    draw compares with its own (5 KiB, gone before the draw, smaller than it here) and the apply's 0-d scale."""
     x = torch.randn(16384)
     state = rng_state(x)
     mask = dropout_mask(x, 0.1, state)
     draw = lambda: torch.ops.planner.dropout_mask(x, 0.1, state)  # noqa: E731
     apply = lambda: torch.ops.planner.apply_mask(x, mask, 0.1)  # noqa: E731
+    across = x.view(128, 128).t()  # not contiguous: the converted mask and the output side by side
+    apply_across = lambda: torch.ops.planner.apply_mask(across, mask.view(128, 128), 0.1)  # noqa: E731
     assert allocator_peak_bytes(draw) == workspace_bytes(torch.ops.planner.dropout_mask.default, (x, 0.1, state))
-    assert allocator_peak_bytes(apply) == workspace_bytes(torch.ops.planner.apply_mask.default, (x, mask, 0.1))
-    assert workspace_bytes(torch.ops.planner.apply_mask.default, (x, mask, 0.1)) == 2 * 16384 * 4
+    for step, args, expected in ((apply, (x, mask, 0.1), 16384 * 4), (apply_across, (across, mask, 0.1),
+                                                                       2 * 16384 * 4)):
+        assert workspace_bytes(torch.ops.planner.apply_mask.default, args) == expected
+        assert expected <= allocator_peak_bytes(step) <= expected + 64
     with LiveMemoryMeter() as meter:
         applied = apply()
-    assert meter.peak_bytes == 2 * 16384 * 4 and meter.live_bytes == applied.untyped_storage().nbytes()
+    assert meter.peak_bytes == meter.live_bytes == applied.untyped_storage().nbytes() == 16384 * 4
 
 
 class Block(torch.nn.Module):
@@ -214,19 +218,27 @@ def test_dropout_saves_a_byte_per_element_for_the_backward_where_eager_saves_fou
     assert kept["eager"] - kept["graph"] == 32 * 256 * 3  # the noise (float) against the mask (bool)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
 @pytest.mark.parametrize("p", [0.1, 0.07, 0.5])
-def test_applying_a_mask_is_eager_dropout_bit_for_bit_even_at_infinities_and_signed_zeros(dtype, p):
-    x = torch.randn(4096, dtype=dtype)
-    x[:6] = torch.tensor([float("inf"), -float("inf"), float("nan"), -0.0, -1.0, 3.0], dtype=dtype)
+@pytest.mark.parametrize("layout", ["contiguous", "transposed"])
+def test_applying_a_mask_is_eager_dropout_bit_for_bit_even_at_infinities_and_signed_zeros(dtype, p, layout):
+    """Dropped: inf, -inf, NaN, -0 and -1 (NaN, NaN, NaN, -0, -0 in eager); kept: 3, the largest finite value
+    (overflows to inf when scaled) and the smallest subnormal. Contiguous float32 and float64 inputs take the
+    one-pass product, transposed ones and bfloat16 the three-pass one."""
+    x = torch.randn(64, 64, dtype=dtype)
+    tiny, largest = torch.finfo(dtype).smallest_normal / 4, torch.finfo(dtype).max
+    x.view(-1)[:8] = torch.tensor([float("inf"), -float("inf"), float("nan"), -0.0, -1.0, 3.0, largest, tiny],
+                                  dtype=dtype)
     torch.manual_seed(5)
     noise = torch.empty_like(x).bernoulli_(1 - p)
-    noise[:6] = torch.tensor([0.0, 0.0, 0.0, 0.0, 0.0, 1.0], dtype=dtype)  # inf, nan and -0 dropped; 3 kept
+    noise.view(-1)[:8] = torch.tensor([0.0, 0.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0], dtype=dtype)
     mask = noise.bool()
+    if layout == "transposed":
+        x, noise, mask = x.t(), noise.t(), mask.t()
     eager = x * noise.div_(1 - p)  # at::dropout, op for op
-    bits = torch.int64 if dtype == torch.float64 else torch.int32
+    bits = {torch.float64: torch.int64, torch.float32: torch.int32, torch.bfloat16: torch.int16}[dtype]
     ours = torch.ops.planner.apply_mask(x, mask, p)
-    assert torch.equal(ours.view(bits), eager.view(bits))
+    assert torch.equal(ours.view(bits), eager.view(bits)) and ours.stride() == eager.stride()
     grad = torch.randn_like(x)
     x.requires_grad_(True)
     (ours_grad,) = torch.autograd.grad(torch.ops.planner.apply_mask(x, mask, p), x, grad)
