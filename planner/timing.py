@@ -38,7 +38,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry
 
-from .devices import DEVICES, DeviceSpec, Precision, device_spec
+from .devices import DEVICES, DeviceSpec, Precision, device_spec  # noqa: F401 (the doctests use device_spec)
 from .errors import PlannerError
 
 _HALF = (torch.float16, torch.bfloat16)
