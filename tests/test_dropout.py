@@ -243,3 +243,37 @@ def test_applying_a_mask_is_eager_dropout_bit_for_bit_even_at_infinities_and_sig
     x.requires_grad_(True)
     (ours_grad,) = torch.autograd.grad(torch.ops.planner.apply_mask(x, mask, p), x, grad)
     assert torch.equal(ours_grad.view(bits), (grad * noise).view(bits))  # MulBackward: grad times the noise
+
+
+def test_compiled_backward_converts_the_mask_from_booleans_and_matches_eager_bit_for_bit():
+    """Inductor's C++ kernels reinterpret a bool tensor viewed as uint8 element by element (the test-size GPT-2's
+    attention backward ran 8 times slower so): traced by torch.compile, the backward converts the bool mask."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    backward_graphs = []
+
+    def keep_backward(graph_module, example_inputs):
+        backward_graphs.append(graph_module)
+        return graph_module
+
+    def through(module, x):
+        torch.manual_seed(2)
+        out = module(x)
+        return out, torch.autograd.grad(out.square().sum(), x)[0]
+
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Dropout(0.3))
+    x = torch.randn(8, 16, requires_grad=True)
+    graph_module = _exported(model, x)
+    assert replayable_dropout(graph_module) == 1
+    try:
+        compiled = torch.compile(graph_module, backend=aot_autograd(fw_compiler=lambda gm, _: gm,
+                                                                    bw_compiler=keep_backward))
+        for a, b in zip(through(model, x), through(compiled, x)):
+            assert torch.equal(a, b)
+    finally:
+        torch._dynamo.reset()
+    (backward,) = backward_graphs
+    targets = [n.target for n in backward.graph.nodes if n.op == "call_function"]
+    converted = [n.args[0].meta["val"].dtype for n in backward.graph.nodes
+                 if n.target is torch.ops.aten._to_copy.default]
+    assert torch.ops.aten.view.dtype not in targets and converted == [torch.bool]
