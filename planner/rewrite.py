@@ -3,8 +3,9 @@
 Each region of the plan becomes a :class:`CheckpointRegion` submodule: a small ``fx.GraphModule`` body (the region's
 nodes, taking what it reads from outside as arguments) run under non-reentrant ``torch.utils.checkpoint`` with a
 selective-checkpoint policy. The top-level graph calls ``self.region_<i>(...)`` where the region's nodes were, so
-``print(module.code)`` shows where each region starts and ends. Inside a body, ``planner_cache_on()`` /
-``planner_cache_off()`` bracket the nodes whose outputs are cached instead of recomputed.
+``print(module.code)`` shows where each region starts and ends. Inside a body, a node whose outputs are cached
+instead of recomputed calls its op through :func:`cached_call` (``planner_cached_linear_default(...)``), eagerly
+and under ``torch.compile`` alike.
 
 Exactness: checkpoint restores the CPU/CUDA RNG and autocast state for the recomputation, random ops are never
 cached (so the recomputation draws the same numbers in the same order) but for the dropout masks of
@@ -18,6 +19,7 @@ lists cut there): it runs once, just before the region, which then starts from t
 from __future__ import annotations
 
 import copy
+import functools
 import operator
 import threading
 from contextlib import contextmanager, nullcontext
@@ -26,6 +28,7 @@ from typing import AbstractSet, Any, Iterator, Sequence
 
 import torch
 import torch.fx as fx
+import torch.fx.traceback as fx_traceback
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from .capture import written_arguments
@@ -40,15 +43,30 @@ def _flag(name: str) -> bool:
     return getattr(_STATE, name, False)
 
 
-def planner_cache_on() -> None:
-    """Outputs of the ops that follow are cached by selective checkpointing (until :func:`planner_cache_off`)."""
-    if not torch.compiler.is_compiling():
+CACHED = "planner_cached"  # the fx annotation (node.meta["custom"]) of ops a compiled region caches
+
+
+@functools.cache
+def cached_call(target: Any) -> Any:
+    """``target`` with its outputs cached by the region's selective checkpoint: what a region's body calls for
+    each node the plan caches. Run eagerly, it tells :func:`_cache_policy` through a thread-local flag; traced by
+    ``torch.compile``, which does not trace Python side effects, it annotates the ops it makes
+    (``torch.fx.traceback.annotate``), and the policy reads the annotation of the node being traced."""
+
+    def planner_cached(*args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():
+            with fx_traceback.annotate({CACHED: True}):
+                return target(*args, **kwargs)
+        previous = _flag("caching")
         _STATE.caching = True
+        try:
+            return target(*args, **kwargs)
+        finally:
+            _STATE.caching = previous
 
-
-def planner_cache_off() -> None:
-    if not torch.compiler.is_compiling():
-        _STATE.caching = False
+    name = getattr(target, "__name__", "op").replace(".", "_")
+    planner_cached.__name__ = planner_cached.__qualname__ = f"planner_cached_{name}"
+    return planner_cached
 
 
 def _returns_view(op) -> bool:
@@ -56,10 +74,15 @@ def _returns_view(op) -> bool:
     return schema is not None and any(r.alias_info is not None for r in schema.returns)
 
 
+def _caching() -> bool:
+    """Whether the op being run (eagerly) or traced (by ``torch.compile``) belongs to a cached node."""
+    return _flag("caching") or bool((fx_traceback.get_current_meta().get("custom") or {}).get(CACHED))
+
+
 def _cache_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     """Save what cached nodes allocate; views are free to recompute and caching one would pin its base. Generator
     states of dropout masks are always saved: a mask re-drawn after a kept one must draw from its own state."""
-    if _flag("caching") and not _returns_view(op) or op is STATE_OP:
+    if _caching() and not _returns_view(op) or op is STATE_OP:
         return CheckpointPolicy.MUST_SAVE
     return CheckpointPolicy.PREFER_RECOMPUTE
 
@@ -101,19 +124,14 @@ class CheckpointRegion(torch.nn.Module):
 
     def forward(self, *args: Any) -> Any:
         if torch.compiler.is_compiling():
-            # torch.compile traces the region as one checkpoint (its partitioner decides what to keep inside);
-            # the selective-caching brackets are Python side effects it cannot follow, so the region recomputes
-            # everything but the generator states of dropout masks: never more memory than the plan (but 5 KiB
-            # per mask), possibly more recomputation
+            # torch.compile traces the region as one checkpoint whose partitioner keeps what the policy saves (the
+            # annotated outputs of cached nodes, the generator states) and recomputes the rest in the backward
             return checkpoint(self.body, *args, use_reentrant=False, preserve_rng_state=True,
                               context_fn=partial(create_selective_checkpoint_contexts, _cache_policy))
-        try:
-            # early_stop=False: the recomputation runs to the end of the region, so it consumes every cached
-            # value (an early stop would leave cache entries alive through the region's backward).
-            return checkpoint(self.body, *args, use_reentrant=False, context_fn=self._contexts,
-                              preserve_rng_state=True, early_stop=not self.cached_nodes)
-        finally:
-            planner_cache_off()
+        # early_stop=False: the recomputation runs to the end of the region, so it consumes every cached value
+        # (an early stop would leave cache entries alive through the region's backward).
+        return checkpoint(self.body, *args, use_reentrant=False, context_fn=self._contexts,
+                          preserve_rng_state=True, early_stop=not self.cached_nodes)
 
     def extra_repr(self) -> str:
         span = self.stage_names[0] if len(self.stage_names) == 1 else \
@@ -199,14 +217,12 @@ def _build_body(nodes: list[fx.Node], cached: set[str]) -> tuple[fx.GraphModule,
     body = fx.Graph()
     env: dict[fx.Node, fx.Node] = {src: body.placeholder(src.name) for src in inputs}
     for n in nodes:
-        if n.name in cached:
-            body.call_function(planner_cache_on)
         copied = body.node_copy(n, lambda x: env[x])
         if n.target is torch.ops.aten.batch_norm.default:
             copied.target = planner_batch_norm
-        env[n] = copied
         if n.name in cached:
-            body.call_function(planner_cache_off)
+            copied.target = cached_call(copied.target)
+        env[n] = copied
     body.output(tuple(env[n] for n in outputs))
     return fx.GraphModule(torch.nn.Module(), body, class_name="RegionBody"), inputs, outputs
 

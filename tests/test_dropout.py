@@ -277,3 +277,35 @@ def test_compiled_backward_converts_the_mask_from_booleans_and_matches_eager_bit
     converted = [n.args[0].meta["val"].dtype for n in backward.graph.nodes
                  if n.target is torch.ops.aten._to_copy.default]
     assert torch.ops.aten.view.dtype not in targets and converted == [torch.bool]
+
+
+@pytest.mark.parametrize("kept", [("0", "1"), ("0",), ()], ids=["both", "first", "none"])
+def test_compiled_regions_keep_the_masks_the_plan_keeps(blocks, kept):
+    """Under torch.compile a region keeps what the plan caches too (through annotations the policy reads): a
+    region over the first two blocks that keeps the masks of ``kept`` draws only the others again. 3 blocks of 3
+    dropouts draw 9 masks in the forward, and 3 more for each block whose masks the region does not keep; the step
+    is compiled eager's, bit for bit."""
+    import torch._inductor.config as inductor_config
+
+    model, x, captured, problem, stage_nodes = blocks
+    planned = _planned(blocks, PlannedRegion(0, 2, cached_nodes=sum((_masks_of(captured, b) for b in kept), ())))
+
+    def step(module):
+        torch.manual_seed(0)
+        loss = module(x).square().mean()
+        loss.backward()
+        grads = [p.grad.clone() for p in model.parameters()]
+        model.zero_grad(set_to_none=True)
+        return [loss.detach(), *grads, torch.get_rng_state()]
+
+    try:
+        with inductor_config.patch(fallback_random=True):
+            compiled_model, compiled_plan = torch.compile(model), torch.compile(planned)
+            expected, found = step(compiled_model), step(compiled_plan)
+            with torch.profiler.profile() as prof:
+                step(compiled_plan)
+    finally:
+        torch._dynamo.reset()
+    draws = sum(e.count for e in prof.key_averages() if e.key == "planner::dropout_mask")
+    assert draws == 9 + 3 * (2 - len(kept))
+    assert all(torch.equal(a, b) for a, b in zip(expected, found))

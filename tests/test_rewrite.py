@@ -83,7 +83,7 @@ def test_code_shows_where_regions_start_and_end(convnet):
     assert "region_2" not in planned.code
     assert isinstance(planned.region_0, CheckpointRegion)
     assert "stages=[blocks.0 .. blocks.1]" in repr(planned.region_0)
-    assert "planner_cache_on" in planned.region_1.body.code
+    assert "planner_cached_" in planned.region_1.body.code
     assert "planner_batch_norm" in planned.region_0.body.code
     assert "add_" not in planned.region_0.body.code  # num_batches_tracked moves outside the region
 
