@@ -284,7 +284,7 @@ def best_hand_overhead(posed: Posed, budget: int) -> float | None:
     return min((p.predicted_overhead for p in plans if p.predicted_peak_bytes <= budget), default=None)
 
 
-COMPILED_REPLANS = 3
+COMPILED_REPLANS = 4
 COMPILED_SLACK = 0.03  # a compiled plan this far under its budget is planned again for more memory
 
 
@@ -294,22 +294,26 @@ def planner_at(posed: Posed, budget: int, matches: str, compile_it: bool = False
     (each solve limited to ``solve_seconds``).
 
     Inductor fuses and reorders what the plan's peak was predicted for, so a compiled plan is measured and, like
-    the hand search's candidates, planned again (at most ``COMPILED_REPLANS`` times) for a budget scaled by how far
-    its compiled peak missed: smaller when it exceeds ``budget``, larger when it leaves more than
-    ``COMPILED_SLACK`` unused. The fitting plan planned for the most memory is kept; that time counts as setup too."""
+    the hand search's candidates, planned again (at most ``COMPILED_REPLANS`` times) for the memory its plan was
+    predicted to use scaled by how far its compiled peak missed: less when it exceeds ``budget``, more when it
+    leaves more than ``COMPILED_SLACK`` unused; when no plan is left below a target, the least memory any plan
+    needs is tried once. The fitting plan planned for the most memory is kept; that time counts as setup too."""
     example, setting = posed.example, f"budget {format_bytes(budget)}"
     start = time.perf_counter()
-    target, kept, kept_target, found, replans = budget, None, 0, None, 0
+    target, kept, kept_target, found, tried_least = budget, None, 0, None, False
     for replans in range(COMPILED_REPLANS + 1 if compile_it else 1):
         try:
             plan = solvers.solve(posed.problem, target, known=posed.hand_schedules(),
                                  **({} if solve_seconds is None else {"time_limit": solve_seconds}))
         except InfeasibleBudgetError as error:
-            if kept is not None or found is not None:
+            if found is None:
+                return Candidate("planner", setting, None, None, posed.seconds, compile_it, budget, matches,
+                                 note=f"infeasible: the smallest peak it plans is "
+                                      f"{format_bytes(error.minimum_budget_bytes or 0)}")
+            if kept is not None or tried_least or not error.minimum_budget_bytes:
                 break
-            return Candidate("planner", setting, None, None, posed.seconds, compile_it, budget, matches,
-                             note=f"infeasible: the smallest peak it plans is "
-                                  f"{format_bytes(error.minimum_budget_bytes or 0)}")
+            target, tried_least = error.minimum_budget_bytes, True
+            continue
         module = planned_module(posed.captured, plan, posed.stage_nodes)
         if not compile_it:
             return eager_mode(example, "planner", setting, module, example.model,
@@ -317,13 +321,15 @@ def planner_at(posed: Posed, budget: int, matches: str, compile_it: bool = False
                               matches=matches, predicted_overhead=plan.predicted_overhead,
                               hand_predicted_overhead=best_hand_overhead(posed, budget))
         found = compiled(example, "planner", setting, module, example.model, budget_bytes=budget, matches=matches)
+        missed_by = budget / found.peak_bytes
         if found.peak_bytes <= budget:
             if kept is None or target > kept_target:  # the most memory that fits: the least recomputation
                 kept, kept_target = found, target
             if found.peak_bytes >= (1 - COMPILED_SLACK) * budget or not plan.regions:
                 break
-        missed_by = budget / found.peak_bytes
-        target = int(target * (missed_by if found.peak_bytes <= budget else min(missed_by, 0.99)))
+            target = int(target * missed_by)
+        else:
+            target = int(min(target, plan.predicted_peak_bytes) * min(missed_by, 0.99))
     note = f"planned {replans + 1} times, measuring each compiled peak" if replans else ""
     return dataclasses.replace(kept or found, setup_seconds=posed.seconds + time.perf_counter() - start, note=note)
 

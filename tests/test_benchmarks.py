@@ -152,7 +152,9 @@ def test_the_half_budget_line_gives_the_measured_verdict_and_the_cost_models_exp
 
 def _replanned(monkeypatch, peak_shares):
     """``planner_at`` on a tiny chain with compiled peaks scripted as shares of the budget (inductor's peak cannot
-    be steered; the planning and the rewrite are real): the row, the budgets solved for, and the budget."""
+    be steered; the planning and the rewrite are real), in turn or, given a function, of the predicted peak of the
+    plan measured and the least peak: the row, the budgets solved for, the predicted peaks of the plans solved (None where
+    infeasible), the budget and the least peak any plan needs."""
     from benchmarks import run
     from examples.common import Example, generator, seeded
     from examples.largeblock import CheckpointedModel, loss_fn
@@ -161,31 +163,49 @@ def _replanned(monkeypatch, peak_shares):
         model = CheckpointedModel(32, 4).train()
     x = torch.randn(512, 32, generator=generator(1)).requires_grad_(True)
     posed = run.pose(Example("tiny", model, (x,), {}, loss_fn, "blocks"), profile_repeats=0)
-    budget = int(solvers.minimum_peak(posed.problem) * 1.5)
-    shares, solved, real_solve = iter(peak_shares), [], run.solvers.solve
+    least = solvers.minimum_peak(posed.problem)
+    budget = int(least * 1.5)
+    shares, solved, predicted, real_solve = iter(() if callable(peak_shares) else peak_shares), [], [], run.solvers.solve
 
     def scripted_compile(example, method, setting, module, owner, **fields):
-        return run.Candidate(method, setting, lambda: None, int(budget * next(shares)), compiled=True, **fields)
+        share = peak_shares(predicted[-1], least) if callable(peak_shares) else next(shares)
+        return run.Candidate(method, setting, lambda: None, int(budget * share), compiled=True, **fields)
+
+    def recorded_solve(problem, target, **options):
+        solved.append(target)
+        predicted.append(None)
+        plan = real_solve(problem, target, **options)
+        predicted[-1] = plan.predicted_peak_bytes
+        return plan
 
     monkeypatch.setattr(run, "compiled", scripted_compile)
-    monkeypatch.setattr(run.solvers, "solve", lambda problem, target, **options: solved.append(target)
-                        or real_solve(problem, target, **options))
-    return run.planner_at(posed, budget, "x", compile_it=True), solved, budget
+    monkeypatch.setattr(run.solvers, "solve", recorded_solve)
+    return run.planner_at(posed, budget, "x", compile_it=True), solved, predicted, budget, least
 
 
 def test_a_compiled_plan_is_planned_again_until_its_measured_peak_fits_and_uses_the_budget(monkeypatch):
-    """The first plan overshoots by 10%, the second leaves 20% unused, the third fits within the slack: kept."""
-    row, solved, budget = _replanned(monkeypatch, [1.10, 0.80, 0.98, 0.5])
+    """The first plan overshoots by 10%: planned again for what it was predicted to use, less by the overshoot;
+    the second leaves 20% unused: planned for more; the third fits within the slack: kept."""
+    row, solved, predicted, budget, _ = _replanned(monkeypatch, [1.10, 0.80, 0.98, 0.5])
     assert len(solved) == 3 and row.peak_bytes == int(budget * 0.98) and "planned 3 times" in row.note
-    assert solved[0] == budget and solved[1] == int(budget * budget / int(budget * 1.10))  # smaller by the overshoot
+    assert solved[0] == budget and solved[1] == int(predicted[0] * budget / int(budget * 1.10))
     assert solved[2] == int(solved[1] * budget / int(budget * 0.80))  # larger by the room left
 
 
 def test_a_compiled_plan_a_hair_over_is_planned_for_at_least_one_percent_less(monkeypatch):
-    row, solved, budget = _replanned(monkeypatch, [1.0001, 0.995])
-    assert solved == [budget, int(budget * 0.99)] and row.peak_bytes == int(budget * 0.995)
+    row, solved, predicted, budget, _ = _replanned(monkeypatch, [1.0001, 0.995])
+    assert solved == [budget, int(predicted[0] * 0.99)] and row.peak_bytes == int(budget * 0.995)
 
 
-def test_a_compiled_plan_that_never_fits_is_reported_over_its_budget(monkeypatch):
-    row, solved, budget = _replanned(monkeypatch, [1.2] * 4)
-    assert len(solved) == 4 and row.peak_bytes > budget
+def test_a_compiled_plan_that_never_fits_is_reported_over_its_budget_after_the_least_memory_was_tried(monkeypatch):
+    row, solved, predicted, budget, least = _replanned(monkeypatch, [1.2] * 5)
+    assert row.peak_bytes > budget and least in solved and None in predicted
+
+
+def test_when_no_plan_is_left_below_a_target_the_least_memory_is_tried_and_kept_if_it_fits(monkeypatch):
+    """Every plan overshoots by 60% but the one that needs the least memory, which fits: the targets fall until
+    no plan is left below one, then the least peak is tried, and its plan kept."""
+    row, solved, predicted, budget, least = _replanned(monkeypatch, lambda peak, least: 0.9 if peak == least
+                                                       else 1.6)
+    first_infeasible = predicted.index(None)
+    assert solved[first_infeasible + 1] == least and row.peak_bytes == int(budget * 0.9)
