@@ -153,8 +153,8 @@ def test_the_half_budget_line_gives_the_measured_verdict_and_the_cost_models_exp
 def _replanned(monkeypatch, peak_shares):
     """``planner_at`` on a tiny chain with compiled peaks scripted as shares of the budget (inductor's peak cannot
     be steered; the planning and the rewrite are real), in turn or, given a function, of the predicted peak of the
-    plan measured and the least peak: the row, the budgets solved for, the predicted peaks of the plans solved (None where
-    infeasible), the budget and the least peak any plan needs."""
+    plan measured and the least peak: the row, the budgets solved for, the predicted peaks of the plans solved
+    (None where infeasible), the budget and the least peak any plan needs."""
     from benchmarks import run
     from examples.common import Example, generator, seeded
     from examples.largeblock import CheckpointedModel, loss_fn
@@ -165,10 +165,13 @@ def _replanned(monkeypatch, peak_shares):
     posed = run.pose(Example("tiny", model, (x,), {}, loss_fn, "blocks"), profile_repeats=0)
     least = solvers.minimum_peak(posed.problem)
     budget = int(least * 1.5)
-    shares, solved, predicted, real_solve = iter(() if callable(peak_shares) else peak_shares), [], [], run.solvers.solve
+    solved, predicted, real_solve = [], [], run.solvers.solve
+    if not callable(peak_shares):
+        shares = iter(peak_shares)
+        peak_shares = lambda peak, least: next(shares)  # noqa: E731
 
     def scripted_compile(example, method, setting, module, owner, **fields):
-        share = peak_shares(predicted[-1], least) if callable(peak_shares) else next(shares)
+        share = peak_shares(predicted[-1], least)
         return run.Candidate(method, setting, lambda: None, int(budget * share), compiled=True, **fields)
 
     def recorded_solve(problem, target, **options):
