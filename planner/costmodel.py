@@ -356,7 +356,7 @@ def never_cached(nodes: Sequence[fx.Node]) -> set[str]:
 def _cache_candidates(stage_nodes: Sequence[NodeProfile], random_nodes: set[str],
                       always_kept: AbstractSet[str]) -> list[NodeProfile]:
     usable = [n for n in stage_nodes if n.created and n.transient_bytes == 0 and not n.output_is_view
-              and n.name not in random_nodes and n.name not in always_kept and n.seconds > 0]
+              and not n.mutates_created and n.name not in random_nodes and n.name not in always_kept and n.seconds > 0]
     return sorted(usable, key=lambda n: n.seconds / n.created_bytes, reverse=True)
 
 

@@ -104,64 +104,53 @@ def _to_float32(value: float) -> float:
     return struct.unpack("f", struct.pack("f", value))[0]
 
 
-def _in_one_pass(x: torch.Tensor) -> bool:
-    """Whether :func:`apply_mask` writes its output over the converted mask: for a contiguous ``x`` whose kept
-    scale is a Python float."""
-    return x.is_contiguous() and x.dtype in (torch.float32, torch.float64)
-
-
 def apply_mask(x: torch.Tensor, mask: torch.Tensor, p: float) -> torch.Tensor:
-    """``x`` with dropout's ``mask`` applied: bit for bit ``at::dropout``'s ``x * (noise / (1 - p))``, as
-    ``x * mask`` is ``x`` or ``x * 0`` exactly. For the backward it saves the one-byte mask, where eager's product
-    saves the float noise."""
-    return _masked(x, mask, p)
+    """``x`` with dropout's ``mask`` applied: bit for bit ``at::dropout``'s ``x * (noise / (1 - p))``, computed as
+    ``(x * scale) * mask``: a kept element is ``x * scale``, a dropped one ``(x * scale) * 0``, a zero of ``x``'s
+    sign (NaN where ``x`` is infinite or NaN) as eager's ``x * 0``. The gradient is ``(grad * mask) * scale``,
+    eager's ``grad * noise`` the same way. Both are ATen ops, so autograd runs them in C++ (a Python
+    ``autograd.Function`` cost 4-5% of a test-size GPT-2 step with its 13 dropouts); the product by the mask runs
+    in place and saves only ``mask`` (the other operand needs no gradient): one byte per element where eager's
+    saves the float noise. Masking comes last in the forward so that it comes first in the backward: its node
+    unpacks the mask at once, so a checkpoint region recomputes before any gradient of its own is made.
 
+    The mask takes part as ``uint8`` (a view of the ``bool`` one): the CPU converts it to ``x``'s type for the
+    product, about four times as fast from bytes as from booleans (see :func:`planner.meter.converted_operand_bytes`).
+    Traced by ``torch.compile``, it takes part as ``bool``: inductor's C++ kernels reinterpret a ``bool`` tensor
+    viewed as ``uint8`` element by element, which made the attention's backward kernel 8 times slower (9.4 against
+    1.2 ms at the test-size GPT-2's scores).
 
-def _masked(x: torch.Tensor, mask: torch.Tensor, p: float) -> torch.Tensor:
-    """``x * mask * scale`` as eager's ``x * noise`` rounds it, with ``noise = mask * scale``.
-
-    The mask is converted to ``x``'s type (from bytes: about four times as fast as from booleans), and
-    ``-0 + (scale * x) * mask`` is written over it in one pass (``addcmul``): ``(scale * x) * 1`` is ``x * scale``,
-    ``(scale * x) * 0`` is ``x * 0`` (a zero of ``x``'s sign; NaN where ``x`` is infinite), and adding ``-0``
-    changes neither. Three passes over ``x``'s size (converting, multiplying, scaling) become two, as fast as
-    eager's product alone. A non-contiguous ``x`` takes the three, so that the result keeps its layout, as eager's
-    product does, and so do types other than ``float32`` and ``float64``.
-
-    Traced by ``torch.compile`` (the backward of a compiled :func:`apply_mask`), the mask is converted from
-    booleans: inductor's C++ kernels reinterpret a ``bool`` tensor viewed as ``uint8`` element by element, which
-    made the attention's backward kernel 8 times slower (9.4 against 1.2 ms at the test-size GPT-2's scores)."""
-    scale = _kept_scale(p, x.dtype)
+    >>> import torch
+    >>> x = torch.tensor([2.0, -3.0, float("inf")])
+    >>> apply_mask(x, torch.tensor([True, False, False]), 0.5)
+    tensor([4., -0., nan])
+    """
     if torch.compiler.is_compiling():
-        return x * mask.to(x.dtype) * scale
-    noise = mask.view(torch.uint8).to(x.dtype)
-    if not _in_one_pass(x):
-        return x.mul(noise).mul_(scale)
-    return torch.addcmul(torch.full((), -0.0, dtype=x.dtype), x, noise, value=scale, out=noise)
+        return _CompiledMaskApplied.apply(x, mask, p)
+    return x.mul(_kept_scale(p, x.dtype)).mul_(mask.view(torch.uint8))
 
 
-class _MaskApplied(torch.autograd.Function):
-    """The autograd of :func:`apply_mask`: saves the mask; the gradient is the incoming one, masked and scaled."""
+class _CompiledMaskApplied(torch.autograd.Function):
+    """:func:`apply_mask` as ``torch.compile`` traces it: the backward converts the saved ``bool`` mask itself, so
+    that the partitioner is handed the mask to keep; left to autograd, it kept the converted float mask, four bytes
+    per element."""
 
     @staticmethod
     def forward(ctx, x, mask, p):
         ctx.save_for_backward(mask)
         ctx.p = p
-        with torch._C._AutoDispatchBelowAutograd():
-            return APPLY_OP(x, mask, p)
+        return x * mask.to(x.dtype) * _kept_scale(p, x.dtype)
 
     @staticmethod
     def backward(ctx, grad):
         (mask,) = ctx.saved_tensors
-        return _masked(grad, mask, ctx.p), None, None
+        return grad * mask.to(grad.dtype) * _kept_scale(ctx.p, grad.dtype), None, None
 
 
-def _apply_mask_autograd(x, mask, p):
-    return _MaskApplied.apply(x, mask, p)
-
-
-for _name, _kernel in (("rng_state", rng_state), ("dropout_mask", dropout_mask), ("apply_mask", apply_mask)):
-    _LIBRARY.impl(_name, _kernel, "CompositeExplicitAutograd")
-_LIBRARY.impl("apply_mask", _apply_mask_autograd, "Autograd")
+_LIBRARY.impl("rng_state", rng_state, "CompositeExplicitAutograd")
+_LIBRARY.impl("dropout_mask", dropout_mask, "CompositeExplicitAutograd")
+# Composite: autograd, dispatch modes (the meters, selective checkpointing) and tracers see its two ATen ops.
+_LIBRARY.impl("apply_mask", apply_mask, "CompositeImplicitAutograd")
 
 
 @torch.library.register_fake(f"{_LIB}::rng_state", lib=_LIBRARY)
@@ -173,11 +162,6 @@ def _(like):
 @torch.library.register_fake(f"{_LIB}::dropout_mask", lib=_LIBRARY)
 def _(like, p, state):
     return torch.empty_like(like, dtype=torch.bool, memory_format=torch.contiguous_format)
-
-
-@torch.library.register_fake(f"{_LIB}::apply_mask", lib=_LIBRARY)
-def _(x, mask, p):
-    return torch.empty_like(x)
 
 
 def _draws_through_a_buffer() -> bool:
@@ -198,22 +182,17 @@ _DRAW_BUFFER_BYTES = 4 if _draws_through_a_buffer() else 0
 def workspace_bytes(func: Any, args: tuple) -> int:
     """The most bytes an op of this module holds at once while it runs, where a dispatch mode cannot see inside
     it (0 for any other op): :func:`dropout_mask` keeps one byte per element (and with MKL on an Intel CPU first
-    draws into a 4-byte integer buffer); :func:`apply_mask` converts the mask to ``x``'s type and writes its output
-    over it (beside it, for a non-contiguous ``x`` or a type other than ``float32`` and ``float64``).
+    draws into a 4-byte integer buffer). :func:`apply_mask` reaches dispatch modes as its two ATen ops (see
+    :func:`planner.meter.converted_operand_bytes` for what its product holds).
 
     >>> import torch
     >>> workspace_bytes(torch.ops.planner.dropout_mask.default, (torch.zeros(10), 0.1, None)) in (10, 50)
     True
-    >>> workspace_bytes(torch.ops.planner.apply_mask.default, (torch.zeros(10), torch.ones(10, dtype=torch.bool), 0.1))
-    40
     >>> workspace_bytes(torch.ops.aten.mul.Tensor, (torch.zeros(10), 2.0))
     0
     """
     if func is MASK_OP:
         return args[0].numel() * (_DRAW_BUFFER_BYTES + 1)
-    if func is APPLY_OP:  # the mask converted to x's type, which becomes the output (beside it, when not in place)
-        x = args[0]
-        return (1 if _in_one_pass(x) else 2) * x.numel() * x.element_size()
     return 0
 
 

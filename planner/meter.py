@@ -26,6 +26,45 @@ from torch.utils._pytree import tree_leaves
 
 from .dropout import workspace_bytes
 
+_aten = torch.ops.aten
+_IN_PLACE_PROMOTING = frozenset({_aten.add_.Tensor, _aten.sub_.Tensor, _aten.mul_.Tensor, _aten.div_.Tensor})
+_PROMOTING = _IN_PLACE_PROMOTING | {_aten.add.Tensor, _aten.sub.Tensor, _aten.mul.Tensor, _aten.div.Tensor}
+
+
+def converted_operand_bytes(func, args: tuple) -> int:
+    """What a CPU arithmetic op on two tensors of different types holds while it runs, out of a dispatch mode's
+    sight: ATen's ``TensorIterator`` converts an operand whose type is not the result's into a temporary copy (on
+    the CPU only; CUDA converts as it loads), which lives beside the output until the op returns. So
+    ``x.mul(mask.view(torch.uint8))`` (:func:`planner.dropout.apply_mask`) holds the mask converted to ``x``'s
+    type and its output; the in-place form, the copy alone. 0 for other ops, same types, 0-d operands.
+
+    >>> import torch
+    >>> x, mask = torch.zeros(10), torch.ones(10, dtype=torch.uint8)
+    >>> aten = torch.ops.aten
+    >>> converted_operand_bytes(aten.mul.Tensor, (x, mask)), converted_operand_bytes(aten.mul_.Tensor, (x, mask))
+    (80, 40)
+    >>> converted_operand_bytes(aten.mul.Tensor, (x, x)), converted_operand_bytes(aten.mul.Tensor, (x, 2.0))
+    (0, 0)
+    """
+    if func not in _PROMOTING or len(args) < 2:
+        return 0
+    a, b = args[0], args[1]
+    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or a.device.type != "cpu":
+        return 0
+    dtype = torch.result_type(a, b)
+    itemsize = dtype.itemsize
+    copies = sum(t.numel() * itemsize for t in (a, b) if t.dtype != dtype and t.dim() > 0)
+    if not copies or func in _IN_PLACE_PROMOTING:
+        return copies
+    return copies + torch.broadcast_shapes(a.shape, b.shape).numel() * itemsize
+
+
+def hidden_bytes(func, args: tuple) -> int:
+    """The most bytes ``func`` holds at once while it runs that a dispatch mode does not see it allocate: the
+    dropout ops' own (:func:`planner.dropout.workspace_bytes`) and converted operands
+    (:func:`converted_operand_bytes`)."""
+    return workspace_bytes(func, args) + converted_operand_bytes(func, args)
+
 
 def _storage_key(storage: torch.UntypedStorage) -> tuple[int, int]:
     if storage.device.type == "meta":  # meta storages all have data_ptr 0: the storage itself is the identity
@@ -153,7 +192,7 @@ class LiveMemoryMeter(TorchDispatchMode):
             self.segments[-1].peak_bytes = self.live_bytes
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        hidden = workspace_bytes(func, args)  # what the op holds at its busiest, out of this mode's sight
+        hidden = hidden_bytes(func, args)  # what the op holds at its busiest, out of this mode's sight
         if hidden:
             self.live_bytes += hidden
             self._note_peak()

@@ -34,8 +34,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import FlopCounterMode
 
 from .capture import CapturedGraph, flat_call_args, module_path, written_inputs
-from .dropout import workspace_bytes
-from .meter import LiveMemoryMeter, storage_bytes
+from .meter import LiveMemoryMeter, hidden_bytes, storage_bytes
 from .timing import Estimate, Stopwatch, WallStopwatch, interleaved_rounds, median_standard_error
 
 Kernels = dict  # graph target -> what to call instead while profiling (see planner.meta.target_kernels)
@@ -67,6 +66,9 @@ class NodeProfile:
     in_backward: bool = True  # some output's grad_fn is reachable from the graph's outputs (see _backward_nodes)
     writes: frozenset[int] = frozenset()  # storages it writes in place (by its ATen schema), among those it reads
     busiest_bytes: int | None = None  # the most bytes of its own storages alive at once while it ran (None: unknown)
+    # an op inside it wrote in place to a storage it created (selective checkpointing cannot cache such a node: it
+    # keeps the storage as the first op left it, and refuses the write after)
+    mutates_created: bool = False
 
     @property
     def created_bytes(self) -> int:
@@ -98,6 +100,7 @@ class _StorageTracker(TorchDispatchMode):
         self.keys: dict[int, int] = {}
         self.sizes: dict[int, int] = {}
         self.created: list[int] = []
+        self.written: set[int] = set()  # keys of storages ops wrote in place (by their ATen schema)
         self._refs: dict[int, weakref.ref] = {}
         self._next = 0
         self.live_bytes = 0  # of the storages it tracks
@@ -121,8 +124,11 @@ class _StorageTracker(TorchDispatchMode):
         self._refs.pop(storage_id, None)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.high_water = max(self.high_water, self.live_bytes + workspace_bytes(func, args))
+        self.high_water = max(self.high_water, self.live_bytes + hidden_bytes(func, args))
         out = func(*args, **(kwargs or {}))
+        written = tree_leaves(written_inputs(func, args, kwargs or {}))
+        keys = (self.key_of(t) for t in written if isinstance(t, torch.Tensor))
+        self.written.update(k for k in keys if k is not None)
         inputs = {id(t.untyped_storage()) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
@@ -166,6 +172,7 @@ class ProfilingInterpreter(fx.Interpreter):
 
         start = len(self.tracker.created)
         alive_before = self.tracker.mark()
+        self.tracker.written = set()
         flop_counter = FlopCounterMode(display=False)
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), flop_counter, self.tracker:
             out = self.kernels.get(n.target, n.target)(*args, **kwargs)
@@ -184,7 +191,8 @@ class ProfilingInterpreter(fx.Interpreter):
                    if isinstance(t, torch.Tensor)}
         profile = NodeProfile(n.name, module_path(n), 0.0, flop_counter.get_total_flops(), created, reads,
                               frozenset(saved), params, output_is_view, writes=frozenset(written & reads),
-                              busiest_bytes=self.tracker.high_water - alive_before)
+                              busiest_bytes=self.tracker.high_water - alive_before,
+                              mutates_created=bool(self.tracker.written.intersection(new_keys)))
         n.meta["planner"] = profile
         self.profiles.append(profile)
         self.grad_fns[n.name] = [t.grad_fn for t in out_tensors if t.grad_fn is not None]

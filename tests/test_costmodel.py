@@ -298,3 +298,18 @@ def test_caching_options_predict_the_measured_peak_of_their_recomputation(name):
             measured, _ = example.measured_step(planned_module(captured, plan, posed.stage_nodes))
             error = plan.predicted_peak_bytes / measured - 1
             assert -0.005 <= error <= 0.03, (o, schedule, plan.predicted_peak_bytes, measured)
+
+
+def test_no_option_caches_a_node_that_writes_over_what_it_made():
+    """Selective checkpointing keeps a storage as the op that made it left it and refuses a later in-place write
+    (a dropout's ``x * scale``, masked in place): such a node is recomputed by every option."""
+    from planner.profile import NodeProfile, StorageRecord
+
+    def node(name, key, seconds, mutates=False):
+        return NodeProfile(name, "", seconds, 0, (StorageRecord(key, 400, True),), frozenset(), frozenset(),
+                           frozenset(), False, mutates_created=mutates)
+
+    nodes = [node("linear", 0, 3.0), node("dropout", 1, 5.0, mutates=True), node("gelu", 2, 1.0)]
+    options = recompute_options(nodes, random_nodes=set())
+    assert {name for o in options for name in o.cached_nodes} == {"linear", "gelu"}
+    assert options[-1].cached_nodes == {"linear", "gelu"} and options[-1].recompute_seconds == 5.0

@@ -6,7 +6,7 @@ import torch
 from planner.api import pose_problem
 from planner.capture import capture, module_path
 from planner.dropout import dropout_mask, is_mask, is_state, replayable_dropout, rng_state, workspace_bytes
-from planner.meter import LiveMemoryMeter, allocator_peak_bytes
+from planner.meter import LiveMemoryMeter, allocator_peak_bytes, converted_operand_bytes
 from planner.plan import Plan, PlannedRegion, SolverStatus
 from planner.problem import Region, Schedule
 from planner.rewrite import apply_plan
@@ -94,25 +94,37 @@ def test_a_mask_replays_from_its_state_whatever_was_drawn_since():
 
 
 def test_what_the_ops_hold_out_of_the_meters_sight_is_what_the_allocator_holds():
-    """Both meters add ``workspace_bytes`` for what a dropout op allocates inside itself; the CPU allocator (the
-    profiler's memory events) sees it all: the mask's draw (and its integer buffer, on an Intel CPU with MKL), and
-    the mask that the apply converts to floats and writes its output over. Not counted: the generator's state a
-    draw compares with its own (5 KiB, gone before the draw, smaller than it here) and the apply's 0-d scale."""
+    """Both meters add what a dropout op allocates inside itself; the CPU allocator (the profiler's memory events)
+    sees it all: the mask's draw (and its integer buffer, on an Intel CPU with MKL), and the apply's product, which
+    holds the mask converted to floats beside its output (the scaling then runs in place). Not counted: the
+    generator's state a draw compares with its own (5 KiB, gone before the draw, smaller than it here)."""
     x = torch.randn(16384)
     state = rng_state(x)
     mask = dropout_mask(x, 0.1, state)
     draw = lambda: torch.ops.planner.dropout_mask(x, 0.1, state)  # noqa: E731
-    apply = lambda: torch.ops.planner.apply_mask(x, mask, 0.1)  # noqa: E731
-    across = x.view(128, 128).t()  # not contiguous: the converted mask and the output side by side
-    apply_across = lambda: torch.ops.planner.apply_mask(across, mask.view(128, 128), 0.1)  # noqa: E731
     assert allocator_peak_bytes(draw) == workspace_bytes(torch.ops.planner.dropout_mask.default, (x, 0.1, state))
-    for step, args, expected in ((apply, (x, mask, 0.1), 16384 * 4), (apply_across, (across, mask, 0.1),
-                                                                       2 * 16384 * 4)):
-        assert workspace_bytes(torch.ops.planner.apply_mask.default, args) == expected
-        assert expected <= allocator_peak_bytes(step) <= expected + 64
-    with LiveMemoryMeter() as meter:
-        applied = apply()
-    assert meter.peak_bytes == meter.live_bytes == applied.untyped_storage().nbytes() == 16384 * 4
+    across = x.view(128, 128).t()  # not contiguous: the same two tensors
+    for x_, mask_ in ((x, mask), (across, mask.view(128, 128))):
+        apply = lambda: torch.ops.planner.apply_mask(x_, mask_, 0.1)  # noqa: E731
+        product = converted_operand_bytes(torch.ops.aten.mul.Tensor, (x_, mask_.view(torch.uint8)))
+        assert product == 2 * 16384 * 4 == allocator_peak_bytes(apply)
+        with LiveMemoryMeter() as meter:
+            applied = apply()
+        assert meter.peak_bytes == product and meter.live_bytes == applied.untyped_storage().nbytes() == 16384 * 4
+
+
+def test_applying_a_mask_saves_the_mask_alone_and_runs_no_python_in_the_backward():
+    """The product's autograd (C++) saves the one-byte mask as ``uint8``, not ``x``, and the backward is two
+    ATen nodes (no ``autograd.Function``), the one that reads the mask first."""
+    x = torch.randn(32, 8, requires_grad=True)
+    mask = dropout_mask(x, 0.3, rng_state(x))
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        out = torch.ops.planner.apply_mask(x, mask, 0.3)
+    assert [(t.dtype, t.untyped_storage().data_ptr()) for t in saved] == [(torch.uint8, mask.data_ptr())]
+    masked, scaled = out.grad_fn, out.grad_fn.next_functions[0][0]  # the mask's node comes first in the backward
+    assert [type(f).__name__ for f in (masked, scaled)] == ["MulBackward0", "MulBackward0"]
+    assert scaled.next_functions[0][0].variable is x and masked._saved_other.dtype == torch.uint8
 
 
 class Block(torch.nn.Module):
@@ -223,8 +235,7 @@ def test_dropout_saves_a_byte_per_element_for_the_backward_where_eager_saves_fou
 @pytest.mark.parametrize("layout", ["contiguous", "transposed"])
 def test_applying_a_mask_is_eager_dropout_bit_for_bit_even_at_infinities_and_signed_zeros(dtype, p, layout):
     """Dropped: inf, -inf, NaN, -0 and -1 (NaN, NaN, NaN, -0, -0 in eager); kept: 3, the largest finite value
-    (overflows to inf when scaled) and the smallest subnormal. Contiguous float32 and float64 inputs take the
-    one-pass product, transposed ones and bfloat16 the three-pass one."""
+    (overflows to inf when scaled) and the smallest subnormal; the output keeps eager's layout, transposed too."""
     x = torch.randn(64, 64, dtype=dtype)
     tiny, largest = torch.finfo(dtype).smallest_normal / 4, torch.finfo(dtype).max
     x.view(-1)[:8] = torch.tensor([float("inf"), -float("inf"), float("nan"), -0.0, -1.0, 3.0, largest, tiny],

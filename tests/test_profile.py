@@ -27,10 +27,11 @@ def test_nodes_record_allocations_reads_saved_tensors_and_flops():
     assert relu.saved == {relu.created[0].key}  # relu saves its output
     assert relu.created[0].key in dropout.reads and relu.created[0].key in mask.reads
     # the mask keeps a byte per element (on an Intel CPU with MKL, the integers it draws first are its busiest
-    # moment); applying it writes its output over the mask converted to floats
+    # moment); applying it scales x, then masks that in place, the mask converted to floats beside it
     assert mask.created_bytes == 32 * 64 and mask.busiest_bytes == 32 * 64 * (1 + _DRAW_BUFFER_BYTES)
     assert dropout.saved == {mask.created[0].key}  # applying the mask saves the mask, not float noise
-    assert dropout.created_bytes == dropout.busiest_bytes == 32 * 64 * 4
+    assert dropout.created_bytes == 32 * 64 * 4 and dropout.busiest_bytes == 2 * dropout.created_bytes
+    assert dropout.mutates_created and not any(p.mutates_created for p in profile.nodes if p is not dropout)
     assert dropout.created[0].key in linear_1.saved  # linear saves its input
     assert profile.output_keys == {linear_1.created[0].key}
     assert profile.fixed_bytes == storage_bytes(list(model.parameters()) + [x])
@@ -144,6 +145,6 @@ def test_nodes_record_what_they_write_in_place_and_their_busiest_moment():
     mask = profile.node("scaled_dot_product_attention_mask")  # one byte per element kept (integers drawn first
     assert mask.busiest_bytes == (1 + _DRAW_BUFFER_BYTES) * mask.created_bytes  # on an Intel CPU with MKL)
     assert mask.created_bytes == 2 * 4 * 8 * 8
-    dropped = profile.node("scaled_dot_product_attention_dropped")  # its output, over the mask as floats
-    assert dropped.busiest_bytes == dropped.created_bytes == 4 * 2 * 4 * 8 * 8
+    dropped = profile.node("scaled_dot_product_attention_dropped")  # its output and the mask as floats
+    assert dropped.busiest_bytes == 2 * dropped.created_bytes == 2 * 4 * 2 * 4 * 8 * 8
     assert linear.busiest_bytes == linear.created_bytes  # a plain op: its output is its busiest moment
