@@ -104,21 +104,31 @@ def _to_float32(value: float) -> float:
     return struct.unpack("f", struct.pack("f", value))[0]
 
 
-def apply_mask(x: torch.Tensor, mask: torch.Tensor, p: float) -> torch.Tensor:
-    """``x`` with dropout's ``mask`` applied: bit for bit ``at::dropout``'s ``x * (noise / (1 - p))``, computed as
-    ``(x * scale) * mask``: a kept element is ``x * scale``, a dropped one ``(x * scale) * 0``, a zero of ``x``'s
-    sign (NaN where ``x`` is infinite or NaN) as eager's ``x * 0``. The gradient is ``(grad * mask) * scale``,
-    eager's ``grad * noise`` the same way. Both are ATen ops, so autograd runs them in C++ (a Python
-    ``autograd.Function`` cost 4-5% of a test-size GPT-2 step with its 13 dropouts); the product by the mask runs
-    in place and saves only ``mask`` (the other operand needs no gradient): one byte per element where eager's
-    saves the float noise. Masking comes last in the forward so that it comes first in the backward: its node
-    unpacks the mask at once, so a checkpoint region recomputes before any gradient of its own is made.
+# From this many elements on, apply_mask takes two passes over x's size and a Python autograd.Function (below, an
+# ATen product that takes three and runs its autograd in C++): the Python costs 100-400 us a call in a step (fixed),
+# the third pass about 1 ns an element. With the Function everywhere the test-size GPT-2's graph (dropouts of 65,536
+# and 524,288 elements) ran 1.10x Hugging Face's module, with the ATen product 1.01-1.04x; at the demo size (393,216
+# and 3,145,728) the ATen product everywhere ran 1.020x against 1.003x, this threshold 1.006-1.011x.
+TWO_PASS_ELEMENTS = 1 << 20
 
-    The mask takes part as ``uint8`` (a view of the ``bool`` one): the CPU converts it to ``x``'s type for the
-    product, about four times as fast from bytes as from booleans (see :func:`planner.meter.converted_operand_bytes`).
-    Traced by ``torch.compile``, it takes part as ``bool``: inductor's C++ kernels reinterpret a ``bool`` tensor
-    viewed as ``uint8`` element by element, which made the attention's backward kernel 8 times slower (9.4 against
-    1.2 ms at the test-size GPT-2's scores).
+
+def apply_mask(x: torch.Tensor, mask: torch.Tensor, p: float) -> torch.Tensor:
+    """``x`` with dropout's ``mask`` applied: bit for bit ``at::dropout``'s ``x * (noise / (1 - p))``; for the
+    backward it saves the one-byte mask, where eager's product saves the float noise.
+
+    Below ``TWO_PASS_ELEMENTS`` it is ``(x * scale) * mask``: a kept element is ``x * scale``, a dropped one
+    ``(x * scale) * 0``, a zero of ``x``'s sign (NaN where ``x`` is infinite or NaN) as eager's ``x * 0``; the
+    gradient is ``(grad * mask) * scale``, eager's ``grad * noise`` the same way. Both are ATen ops, so autograd
+    runs them in C++; the product by the mask runs in place and saves only ``mask`` (the other operand needs no
+    gradient). Masking comes last in the forward so that it comes first in the backward: its node unpacks the mask
+    at once, so a checkpoint region recomputes before any gradient of its own is made. The mask takes part as
+    ``uint8`` (a view of the ``bool`` one): the CPU converts it to ``x``'s type for the product, about four times
+    as fast from bytes as from booleans (see :func:`planner.meter.converted_operand_bytes`). From
+    ``TWO_PASS_ELEMENTS`` on, :class:`_MaskApplied` does it in two passes (see :func:`_masked`).
+
+    Traced by ``torch.compile``, the mask takes part as ``bool``: inductor's C++ kernels reinterpret a ``bool``
+    tensor viewed as ``uint8`` element by element, which made the attention's backward kernel 8 times slower (9.4
+    against 1.2 ms at the test-size GPT-2's scores).
 
     >>> import torch
     >>> x = torch.tensor([2.0, -3.0, float("inf")])
@@ -127,7 +137,45 @@ def apply_mask(x: torch.Tensor, mask: torch.Tensor, p: float) -> torch.Tensor:
     """
     if torch.compiler.is_compiling():
         return _CompiledMaskApplied.apply(x, mask, p)
+    if x.numel() >= TWO_PASS_ELEMENTS:
+        return _MaskApplied.apply(x, mask, p)
     return x.mul(_kept_scale(p, x.dtype)).mul_(mask.view(torch.uint8))
+
+
+def _in_one_pass(x: torch.Tensor) -> bool:
+    """Whether :func:`_masked` writes its output over the converted mask: for a contiguous ``x`` whose kept scale
+    is a Python float."""
+    return x.is_contiguous() and x.dtype in (torch.float32, torch.float64)
+
+
+def _masked(x: torch.Tensor, mask: torch.Tensor, p: float) -> torch.Tensor:
+    """``x * mask * scale`` as eager's ``x * noise`` rounds it, with ``noise = mask * scale``, in two passes.
+
+    The mask is converted to ``x``'s type (from bytes), and ``-0 + (scale * x) * mask`` is written over it in one
+    pass (``addcmul``): ``(scale * x) * 1`` is ``x * scale``, ``(scale * x) * 0`` is ``x * 0`` (a zero of ``x``'s
+    sign; NaN where ``x`` is infinite), and adding ``-0`` changes neither. A non-contiguous ``x`` takes three
+    passes, so that the result keeps its layout, as eager's product does, and so do types other than ``float32``
+    and ``float64``."""
+    noise = mask.view(torch.uint8).to(x.dtype)
+    if not _in_one_pass(x):
+        return x.mul(noise).mul_(_kept_scale(p, x.dtype))
+    return torch.addcmul(torch.full((), -0.0, dtype=x.dtype), x, noise, value=_kept_scale(p, x.dtype), out=noise)
+
+
+class _MaskApplied(torch.autograd.Function):
+    """:func:`apply_mask` of a large ``x`` in two passes: saves the mask; the gradient is the incoming one, masked
+    and scaled the same way."""
+
+    @staticmethod
+    def forward(ctx, x, mask, p):
+        ctx.save_for_backward(mask)
+        ctx.p = p
+        return _masked(x, mask, p)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (mask,) = ctx.saved_tensors
+        return _masked(grad, mask, ctx.p), None, None
 
 
 class _CompiledMaskApplied(torch.autograd.Function):

@@ -5,6 +5,7 @@ import torch
 
 from planner.api import pose_problem
 from planner.capture import capture, module_path
+from planner import dropout
 from planner.dropout import dropout_mask, is_mask, is_state, replayable_dropout, rng_state, workspace_bytes
 from planner.meter import LiveMemoryMeter, allocator_peak_bytes, converted_operand_bytes
 from planner.plan import Plan, PlannedRegion, SolverStatus
@@ -96,8 +97,9 @@ def test_a_mask_replays_from_its_state_whatever_was_drawn_since():
 def test_what_the_ops_hold_out_of_the_meters_sight_is_what_the_allocator_holds():
     """Both meters add what a dropout op allocates inside itself; the CPU allocator (the profiler's memory events)
     sees it all: the mask's draw (and its integer buffer, on an Intel CPU with MKL), and the apply's product, which
-    holds the mask converted to floats beside its output (the scaling then runs in place). Not counted: the
-    generator's state a draw compares with its own (5 KiB, gone before the draw, smaller than it here)."""
+    holds the mask converted to floats beside its output (in two passes, for a large tensor, the output is written
+    over it). Not counted: the generator's state a draw compares with its own (5 KiB, gone before the draw, smaller
+    than it here)."""
     x = torch.randn(16384)
     state = rng_state(x)
     mask = dropout_mask(x, 0.1, state)
@@ -111,6 +113,13 @@ def test_what_the_ops_hold_out_of_the_meters_sight_is_what_the_allocator_holds()
         with LiveMemoryMeter() as meter:
             applied = apply()
         assert meter.peak_bytes == product and meter.live_bytes == applied.untyped_storage().nbytes() == 16384 * 4
+    large = torch.randn(dropout.TWO_PASS_ELEMENTS)  # two passes: the output is written over the converted mask
+    mask = dropout_mask(large, 0.1, rng_state(large))
+    with LiveMemoryMeter() as meter:
+        applied = torch.ops.planner.apply_mask(large, mask, 0.1)
+    assert applied.untyped_storage().nbytes() == large.numel() * 4
+    assert 0 <= meter.peak_bytes - large.numel() * 4 <= 8  # and the 0-d -0 its product adds to
+    assert allocator_peak_bytes(lambda: torch.ops.planner.apply_mask(large, mask, 0.1)) <= large.numel() * 4 + 64
 
 
 def test_applying_a_mask_saves_the_mask_alone_and_runs_no_python_in_the_backward():
@@ -233,9 +242,14 @@ def test_dropout_saves_a_byte_per_element_for_the_backward_where_eager_saves_fou
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
 @pytest.mark.parametrize("p", [0.1, 0.07, 0.5])
 @pytest.mark.parametrize("layout", ["contiguous", "transposed"])
-def test_applying_a_mask_is_eager_dropout_bit_for_bit_even_at_infinities_and_signed_zeros(dtype, p, layout):
+@pytest.mark.parametrize("passes", ["aten", "two_pass"])
+def test_applying_a_mask_is_eager_dropout_bit_for_bit_even_at_infinities_and_signed_zeros(dtype, p, layout, passes,
+                                                                                         monkeypatch):
     """Dropped: inf, -inf, NaN, -0 and -1 (NaN, NaN, NaN, -0, -0 in eager); kept: 3, the largest finite value
-    (overflows to inf when scaled) and the smallest subnormal; the output keeps eager's layout, transposed too."""
+    (overflows to inf when scaled) and the smallest subnormal; the output keeps eager's layout, transposed too.
+    Both ways: the ATen product of small tensors, and the two passes of large ones."""
+    if passes == "two_pass":
+        monkeypatch.setattr(dropout, "TWO_PASS_ELEMENTS", 1)
     x = torch.randn(64, 64, dtype=dtype)
     tiny, largest = torch.finfo(dtype).smallest_normal / 4, torch.finfo(dtype).max
     x.view(-1)[:8] = torch.tensor([float("inf"), -float("inf"), float("nan"), -0.0, -1.0, 3.0, largest, tiny],
