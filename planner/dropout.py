@@ -197,7 +197,7 @@ class _CompiledMaskApplied(torch.autograd.Function):
 
 _LIBRARY.impl("rng_state", rng_state, "CompositeExplicitAutograd")
 _LIBRARY.impl("dropout_mask", dropout_mask, "CompositeExplicitAutograd")
-# Composite: autograd, dispatch modes (the meters, selective checkpointing) and tracers see its two ATen ops.
+# Composite: autograd, dispatch modes (the meters, selective checkpointing) and tracers see the ATen ops it runs.
 _LIBRARY.impl("apply_mask", apply_mask, "CompositeImplicitAutograd")
 
 
@@ -230,7 +230,7 @@ _DRAW_BUFFER_BYTES = 4 if _draws_through_a_buffer() else 0
 def workspace_bytes(func: Any, args: tuple) -> int:
     """The most bytes an op of this module holds at once while it runs, where a dispatch mode cannot see inside
     it (0 for any other op): :func:`dropout_mask` keeps one byte per element (and with MKL on an Intel CPU first
-    draws into a 4-byte integer buffer). :func:`apply_mask` reaches dispatch modes as its two ATen ops (see
+    draws into a 4-byte integer buffer). :func:`apply_mask` reaches dispatch modes as the ATen ops it runs (see
     :func:`planner.meter.converted_operand_bytes` for what its product holds).
 
     >>> import torch
