@@ -72,7 +72,8 @@ def dropout_mask(like: torch.Tensor, p: float, state: torch.Tensor) -> torch.Ten
     """Which elements of ``like`` dropout keeps, drawn as ``at::dropout`` draws them, from generator ``state``.
 
     ``bernoulli_`` draws the same numbers into a ``bool`` tensor as into ``like``'s float one (whichever the type,
-    the CPU kernel draws integers and converts them), so the mask costs no float tensor and no conversion. When
+    the CPU kernel draws integers and converts them), so the mask costs no float tensor and no conversion. It takes
+    ``like``'s layout, as eager's noise does, so that a transposed ``like`` draws in the same (memory) order. When
     ``state`` is the generator's state now (the forward), it draws from the generator, which moves on as eager's
     does; otherwise (a recomputation) from a private generator set to ``state``, leaving the device's generator
     where it is."""
@@ -80,8 +81,7 @@ def dropout_mask(like: torch.Tensor, p: float, state: torch.Tensor) -> torch.Ten
     if not torch.equal(state, _generator_state(like.device)):
         generator = torch.Generator(like.device)
         generator.set_state(state)
-    return torch.empty_like(like, dtype=torch.bool, memory_format=torch.contiguous_format).bernoulli_(
-        1 - p, generator=generator)
+    return torch.empty_like(like, dtype=torch.bool).bernoulli_(1 - p, generator=generator)
 
 
 def _kept_scale(p: float, dtype: torch.dtype) -> float | torch.Tensor:
@@ -209,7 +209,7 @@ def _(like):
 
 @torch.library.register_fake(f"{_LIB}::dropout_mask", lib=_LIBRARY)
 def _(like, p, state):
-    return torch.empty_like(like, dtype=torch.bool, memory_format=torch.contiguous_format)
+    return torch.empty_like(like, dtype=torch.bool)
 
 
 def _draws_through_a_buffer() -> bool:

@@ -334,3 +334,21 @@ def test_compiled_regions_keep_the_masks_the_plan_keeps(blocks, kept):
     draws = sum(e.count for e in prof.key_averages() if e.key == "planner::dropout_mask")
     assert draws == 9 + 3 * (2 - len(kept))
     assert all(torch.equal(a, b) for a, b in zip(expected, found))
+
+
+class _TransposedDropout(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(16, 24)
+
+    def forward(self, x):
+        return torch.nn.functional.dropout(self.proj(x).transpose(1, 2), 0.3, True)
+
+
+def test_a_transposed_input_draws_its_mask_in_memory_order_as_eager_does():
+    """Eager's noise takes the input's layout and ``bernoulli_`` fills it in memory order; so does the mask."""
+    model, x = _TransposedDropout(), torch.randn(4, 8, 16, requires_grad=True)
+    graph_module = _exported(model, x)
+    assert replayable_dropout(graph_module) == 1
+    for a, b in zip(_step_and_state(model, x), _step_and_state(graph_module, x)):
+        assert torch.equal(a, b)
