@@ -124,7 +124,7 @@ def apply_mask(x: torch.Tensor, mask: torch.Tensor, p: float) -> torch.Tensor:
     at once, so a checkpoint region recomputes before any gradient of its own is made. The mask takes part as
     ``uint8`` (a view of the ``bool`` one): the CPU converts it to ``x``'s type for the product, about four times
     as fast from bytes as from booleans (see :func:`planner.meter.converted_operand_bytes`). From
-    ``TWO_PASS_ELEMENTS`` on, :class:`_MaskApplied` does it in two passes (see :func:`_masked`).
+    ``TWO_PASS_ELEMENTS`` on, and under ``torch.compile``, :class:`_MaskApplied` does it (see :func:`_masked`).
 
     Traced by ``torch.compile``, the mask takes part as ``bool``: inductor's C++ kernels reinterpret a ``bool``
     tensor viewed as ``uint8`` element by element, which made the attention's backward kernel 8 times slower (9.4
@@ -135,9 +135,7 @@ def apply_mask(x: torch.Tensor, mask: torch.Tensor, p: float) -> torch.Tensor:
     >>> apply_mask(x, torch.tensor([True, False, False]), 0.5)
     tensor([4., -0., nan])
     """
-    if torch.compiler.is_compiling():
-        return _CompiledMaskApplied.apply(x, mask, p)
-    if x.numel() >= TWO_PASS_ELEMENTS:
+    if torch.compiler.is_compiling() or x.numel() >= TWO_PASS_ELEMENTS:
         return _MaskApplied.apply(x, mask, p)
     return x.mul(_kept_scale(p, x.dtype)).mul_(mask.view(torch.uint8))
 
@@ -155,7 +153,13 @@ def _masked(x: torch.Tensor, mask: torch.Tensor, p: float) -> torch.Tensor:
     pass (``addcmul``): ``(scale * x) * 1`` is ``x * scale``, ``(scale * x) * 0`` is ``x * 0`` (a zero of ``x``'s
     sign; NaN where ``x`` is infinite), and adding ``-0`` changes neither. A non-contiguous ``x`` takes three
     passes, so that the result keeps its layout, as eager's product does, and so do types other than ``float32``
-    and ``float64``."""
+    and ``float64``.
+
+    Traced by ``torch.compile``, the mask is converted from booleans, and the backward converts the saved ``bool``
+    mask itself, so that the partitioner is handed the mask to keep (left to autograd, it kept the converted float
+    mask, four bytes per element)."""
+    if torch.compiler.is_compiling():
+        return x * mask.to(x.dtype) * _kept_scale(p, x.dtype)
     noise = mask.view(torch.uint8).to(x.dtype)
     if not _in_one_pass(x):
         return x.mul(noise).mul_(_kept_scale(p, x.dtype))
@@ -163,8 +167,8 @@ def _masked(x: torch.Tensor, mask: torch.Tensor, p: float) -> torch.Tensor:
 
 
 class _MaskApplied(torch.autograd.Function):
-    """:func:`apply_mask` of a large ``x`` in two passes: saves the mask; the gradient is the incoming one, masked
-    and scaled the same way."""
+    """:func:`apply_mask` of a large ``x`` in two passes, and under ``torch.compile``: saves the mask; the gradient
+    is the incoming one, masked and scaled the same way."""
 
     @staticmethod
     def forward(ctx, x, mask, p):
@@ -176,23 +180,6 @@ class _MaskApplied(torch.autograd.Function):
     def backward(ctx, grad):
         (mask,) = ctx.saved_tensors
         return _masked(grad, mask, ctx.p), None, None
-
-
-class _CompiledMaskApplied(torch.autograd.Function):
-    """:func:`apply_mask` as ``torch.compile`` traces it: the backward converts the saved ``bool`` mask itself, so
-    that the partitioner is handed the mask to keep; left to autograd, it kept the converted float mask, four bytes
-    per element."""
-
-    @staticmethod
-    def forward(ctx, x, mask, p):
-        ctx.save_for_backward(mask)
-        ctx.p = p
-        return x * mask.to(x.dtype) * _kept_scale(p, x.dtype)
-
-    @staticmethod
-    def backward(ctx, grad):
-        (mask,) = ctx.saved_tensors
-        return grad * mask.to(grad.dtype) * _kept_scale(ctx.p, grad.dtype), None, None
 
 
 _LIBRARY.impl("rng_state", rng_state, "CompositeExplicitAutograd")
