@@ -288,20 +288,42 @@ COMPILED_REPLANS = 4
 COMPILED_SLACK = 0.03  # a compiled plan this far under its budget is planned again for more memory
 
 
+def next_target(target: int, predicted: int, peak: int, budget: int, fits_at: int, exceeds_at: float) -> int:
+    """The budget to plan for next, after a compiled plan planned for ``target`` (predicted to peak at
+    ``predicted``) measured ``peak``: ``target`` scaled by how far ``peak`` missed ``budget`` (when over, from the
+    prediction if lower, and at least 1% less), kept strictly between the highest target whose plan fit
+    (``fits_at``, 0 for none) and the lowest predicted peak of a plan that exceeded (``exceeds_at``: the solver
+    gives that plan again for any target above it): a step that leaves that bracket halves it instead, so the
+    search closes in on the largest plan that fits rather than jumping across it.
+
+    >>> next_target(100, 100, 110, 100, 0, 100)  # over by 10%: plan for 10% less
+    90
+    >>> next_target(80, 78, 80, 100, 80, 90)  # 20% under, but a plan predicted at 90 exceeded: halve [80, 90)
+    85
+    """
+    missed_by = budget / peak
+    proposal = int(target * missed_by) if peak <= budget else int(min(target, predicted) * min(missed_by, 0.99))
+    if fits_at < proposal < exceeds_at:
+        return proposal
+    return int((fits_at + exceeds_at) / 2) if exceeds_at != float("inf") else proposal
+
+
 def planner_at(posed: Posed, budget: int, matches: str, compile_it: bool = False, *,
                solve_seconds: float | None = None) -> Candidate:
     """The planner's plan for ``budget`` (compiled when ``compile_it``); setup counts capture, profile and solve
     (each solve limited to ``solve_seconds``).
 
     Inductor fuses and reorders what the plan's peak was predicted for, so a compiled plan is measured and, like
-    the hand search's candidates, planned again (at most ``COMPILED_REPLANS`` times) for the memory its plan was
-    predicted to use scaled by how far its compiled peak missed: less when it exceeds ``budget``, more when it
-    leaves more than ``COMPILED_SLACK`` unused; when no plan is left below a target, the least memory any plan
-    needs is tried once. The fitting plan planned for the most memory is kept; that time counts as setup too."""
+    the hand search's candidates, planned again (:func:`next_target`; at most ``COMPILED_REPLANS`` more plans
+    compiled, a plan already measured is not compiled again) until one fits within ``COMPILED_SLACK`` of
+    ``budget``. When no plan is left below a target, the least memory any plan needs is tried once. The fitting
+    plan planned for the most memory is kept; that time counts as setup too."""
     example, setting = posed.example, f"budget {format_bytes(budget)}"
     start = time.perf_counter()
     target, kept, kept_target, found, tried_least = budget, None, 0, None, False
-    for replans in range(COMPILED_REPLANS + 1 if compile_it else 1):
+    fits_at, exceeds_at, measured, solves = 0, float("inf"), {}, 0
+    while len(measured) <= (COMPILED_REPLANS if compile_it else 0) and solves < 3 * (COMPILED_REPLANS + 1):
+        solves += 1
         try:
             plan = solvers.solve(posed.problem, target, known=posed.hand_schedules(),
                                  **({} if solve_seconds is None else {"time_limit": solve_seconds}))
@@ -320,17 +342,22 @@ def planner_at(posed: Posed, budget: int, matches: str, compile_it: bool = False
                               setup_seconds=posed.seconds + time.perf_counter() - start, budget_bytes=budget,
                               matches=matches, predicted_overhead=plan.predicted_overhead,
                               hand_predicted_overhead=best_hand_overhead(posed, budget))
-        found = compiled(example, "planner", setting, module, example.model, budget_bytes=budget, matches=matches)
-        missed_by = budget / found.peak_bytes
+        if plan.regions not in measured:
+            measured[plan.regions] = compiled(example, "planner", setting, module, example.model,
+                                              budget_bytes=budget, matches=matches)
+        found = measured[plan.regions]
         if found.peak_bytes <= budget:
+            fits_at = max(fits_at, target)
             if kept is None or target > kept_target:  # the most memory that fits: the least recomputation
                 kept, kept_target = found, target
             if found.peak_bytes >= (1 - COMPILED_SLACK) * budget or not plan.regions:
                 break
-            target = int(target * missed_by)
         else:
-            target = int(min(target, plan.predicted_peak_bytes) * min(missed_by, 0.99))
-    note = f"planned {replans + 1} times, measuring each compiled peak" if replans else ""
+            exceeds_at = min(exceeds_at, plan.predicted_peak_bytes)
+        if exceeds_at - fits_at < 0.005 * budget:  # no plan left between them worth compiling
+            break
+        target = next_target(target, plan.predicted_peak_bytes, found.peak_bytes, budget, fits_at, exceeds_at)
+    note = f"planned {solves} times, {len(measured)} compiled, measuring each peak" if solves > 1 else ""
     return dataclasses.replace(kept or found, setup_seconds=posed.seconds + time.perf_counter() - start, note=note)
 
 

@@ -217,7 +217,7 @@ def pose(captured: CapturedGraph, *, loss_fn: Callable | None = None, optimizer=
 # Calibration rounds go on (up to CALIBRATION_ROUNDS times the profile repeats, within CALIBRATION_SECONDS) until
 # the standard error of every measured cost is within CALIBRATION_TOLERANCE of the eager step.
 CALIBRATION_TOLERANCE = 0.02
-CALIBRATION_ROUNDS = 8
+CALIBRATION_ROUNDS = 16
 CALIBRATION_SECONDS = 30.0
 
 
