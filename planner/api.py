@@ -33,7 +33,7 @@ from .costmodel import (Granularity, add_checkpoint_overheads, build_problem, ca
 from .dropout import is_mask, is_state
 from .errors import InfeasibleBudgetError, PlannerError
 from .plan import Plan, SolverStatus, budget_for_usable, usable_bytes
-from .problem import Problem, Region, Schedule, simulate
+from .problem import Problem, RecomputeOption, Region, Schedule, simulate
 from .profile import StageMeasurement, default_loss, measure_stages, paired_step_seconds, preserved_training_state, profile_graph
 from .parts import PartialCaptureWarning, ReducedBudget, capturable_parts, parts_planned, record_calls
 from .rewrite import apply_plan
@@ -223,22 +223,24 @@ CALIBRATION_SECONDS = 30.0
 
 def _calibrate_checkpoint_overheads(captured: CapturedGraph, problem: Problem, stage_nodes, loss_fn,
                                     repeats: int) -> Problem:
-    """Time eager, every stage checkpointed, and every stage that has caching options checkpointed with its first;
-    what those steps cost beyond the recomputation the model predicts is the checkpoint machinery's (and the error
-    of summing the nodes' own times), charged to every option, and to every caching option (see :func:`_charges`).
+    """Time eager, every stage checkpointed, and every stage that has caching options checkpointed with the one that
+    caches the most; what those steps cost beyond the recomputation the model predicts is the checkpoint
+    machinery's (and the error of summing the nodes' own times), charged to every option, and to every caching
+    option in proportion to the nodes it caches (see :func:`_charges`, :func:`_cached_node_charges`).
 
     Plain checkpointing is timed against eager on its own, as a training loop runs it: interleaved with the
-    caching options (a dispatch mode, and the cache's allocations), Llama's checkpoint overhead measured 52% on
-    the CPU, against 61-64% in rounds of eager and checkpoint alone. One caching option is then timed against
-    eager, its excess scaled to the first eager median: the selective-checkpoint machinery sees every op of a
-    region whatever it caches, so one measurement serves all caching options (timed one by one, five options took
-    six steps a round, and at BERT's demo size 30 s gave 4 rounds whose medians were off by up to 170 ms a step,
-    enough to make caching look free)."""
+    caching options (the cache's allocations), Llama's checkpoint overhead measured 52% on the CPU, against 61-64%
+    in rounds of eager and checkpoint alone. One caching option per stage is then timed against eager, its excess
+    scaled to the first eager median: each cached node's op runs through a dispatch mode twice (recording, then
+    replaying it), a cost per cached node that the option caching the most shows best (timed one by one, five
+    options took six steps a round, and at BERT's demo size 30 s gave 4 rounds whose medians were off by up to
+    170 ms a step, enough to make caching look free)."""
     n = problem.num_stages
     caching = [k for k, s in enumerate(problem.stages) if len(s.recompute_options) > 1]
     schedules = {"checkpoint": Schedule.uniform(n)}
     if caching:
-        schedules["caching"] = Schedule(tuple(Region(k, k + 1, (1,)) for k in caching))
+        schedules["caching"] = Schedule(tuple(Region(k, k + 1, (_most_cached(problem.stages[k]),))
+                                              for k in caching))
     modules = {"eager": captured.graph_module}
     for name, schedule in schedules.items():
         plan = Plan.from_schedule(problem, schedule, solver=name, status=SolverStatus.HEURISTIC)
@@ -281,19 +283,45 @@ def _calibrate_checkpoint_overheads(captured: CapturedGraph, problem: Problem, s
                                                  for s, hook in zip(problem.stages, hooks)], [0.0] * n)
     if not caching:
         return problem
-    cached = [problem.stages[k].recompute_options[1].recompute_seconds for k in caching]
+    timed_options = [problem.stages[k].recompute_options[_most_cached(problem.stages[k])] for k in caching]
+    cached = [o.recompute_seconds for o in timed_options]
     selective: list[float | list[float]] = [0.0] * n
-    for k, timed_cost, share in zip(caching, cached, _correction(caching_seconds, cached,
-                                                                 [len(stage_nodes[k]) for k in caching])):
-        selective[k] = _charges([o.recompute_seconds for o in problem.stages[k].recompute_options], share,
-                                timed_cost)
+    for k, timed, share in zip(caching, timed_options,
+                               _correction(caching_seconds, cached, [len(o.cached_nodes) for o in timed_options])):
+        selective[k] = _cached_node_charges(problem.stages[k].recompute_options, share, timed)
     return add_checkpoint_overheads(problem, [0.0] * n, selective)
+
+
+def _most_cached(stage) -> int:
+    """The index of ``stage``'s option that caches the most nodes."""
+    options = stage.recompute_options
+    return max(range(len(options)), key=lambda i: len(options[i].cached_nodes))
+
+
+def _cached_node_charges(options: Sequence[RecomputeOption], share: float, timed: RecomputeOption) -> list[float]:
+    """What each caching option is charged for the cache machinery, from the ``share`` a measurement charged to
+    the ``timed`` option: an excess is a cost per cached node (its op runs through a dispatch mode in the forward
+    and again in the recomputation), so each option pays for the nodes it caches; a shortfall means the nodes' own
+    times over-count, and shrinks each option in proportion (:func:`_charges`).
+
+    >>> from planner.problem import RecomputeOption
+    >>> options = [RecomputeOption("all", frozenset(), 4.0), RecomputeOption("some", frozenset("a"), 3.0),
+    ...            RecomputeOption("most", frozenset("abcd"), 1.0)]
+    >>> _cached_node_charges(options, 2.0, options[2])
+    [0.0, 0.5, 2.0]
+    >>> _cached_node_charges(options, -0.25, options[2])
+    [-1.0, -0.75, -0.25]
+    """
+    if share < 0:
+        return _charges([o.recompute_seconds for o in options], share, timed.recompute_seconds)
+    count = max(1, len(timed.cached_nodes))
+    return [share * len(o.cached_nodes) / count for o in options]
 
 
 def _charges(costs: Sequence[float], share: float, timed_cost: float) -> list[float]:
     """What each of a stage's options (now costing ``costs``) is charged, from the ``share`` that a measurement
     charged to the one timed (costing ``timed_cost``): an excess is the checkpoint machinery's, the same for every
-    option (hooks per saved tensor; a dispatch mode that sees every op); a shortfall means the nodes' own times
+    option (hooks per saved tensor); a shortfall means the nodes' own times
     over-count, and shrinks each option in proportion. Charged flat, a noisy low measurement would make the options
     that recompute little free, and push the others' share onto them.
 

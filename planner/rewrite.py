@@ -1,11 +1,15 @@
 """Turn a plan into a module that runs it: checkpoint regions carved out of the captured graph.
 
 Each region of the plan becomes a :class:`CheckpointRegion` submodule: a small ``fx.GraphModule`` body (the region's
-nodes, taking what it reads from outside as arguments) run under non-reentrant ``torch.utils.checkpoint`` with a
-selective-checkpoint policy. The top-level graph calls ``self.region_<i>(...)`` where the region's nodes were, so
-``print(module.code)`` shows where each region starts and ends. Inside a body, a node whose outputs are cached
-instead of recomputed calls its op through :func:`cached_call` (``planner_cached_linear_default(...)``), eagerly
-and under ``torch.compile`` alike.
+nodes, taking what it reads from outside as arguments) run under non-reentrant ``torch.utils.checkpoint``. The
+top-level graph calls ``self.region_<i>(...)`` where the region's nodes were, so ``print(module.code)`` shows where
+each region starts and ends. Inside a body, a node whose outputs are cached instead of recomputed calls its op
+through :func:`cached_call` (``planner_cached_linear_default(...)``). Run eagerly, only those calls go through a
+dispatch mode (:class:`_Recording` in the forward, :class:`_Replaying` in the recomputation), below autograd, so
+the recomputation records the op and its saved inputs as the forward did but gets its output from the cache.
+Selective checkpointing's own modes would see every op of the region, twice: at test size that cost more than
+half a block's recomputation. Under ``torch.compile`` the cached ops are annotated, and selective checkpointing's
+policy (:func:`_cache_policy`) tells the partitioner to save them.
 
 Exactness: checkpoint restores the CPU/CUDA RNG and autocast state for the recomputation, random ops are never
 cached (so the recomputation draws the same numbers in the same order) but for the dropout masks of
@@ -29,6 +33,7 @@ from typing import AbstractSet, Any, Iterator, Sequence
 import torch
 import torch.fx as fx
 import torch.fx.traceback as fx_traceback
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from .capture import written_arguments
@@ -48,21 +53,21 @@ CACHED = "planner_cached"  # the fx annotation (node.meta["custom"]) of ops a co
 
 @functools.cache
 def cached_call(target: Any) -> Any:
-    """``target`` with its outputs cached by the region's selective checkpoint: what a region's body calls for
-    each node the plan caches. Run eagerly, it tells :func:`_cache_policy` through a thread-local flag; traced by
-    ``torch.compile``, which does not trace Python side effects, it annotates the ops it makes
-    (``torch.fx.traceback.annotate``), and the policy reads the annotation of the node being traced."""
+    """``target`` with its outputs cached by the region: what a region's body calls for each node the plan caches.
+    Run eagerly inside a region's checkpoint, it runs ``target`` under the region's cache mode (recording in the
+    forward, replaying in the recomputation); traced by ``torch.compile``, which does not trace Python side
+    effects, it annotates the ops it makes (``torch.fx.traceback.annotate``), and :func:`_cache_policy` reads the
+    annotation of the node being traced."""
 
     def planner_cached(*args: Any, **kwargs: Any) -> Any:
         if torch.compiler.is_compiling():
             with fx_traceback.annotate({CACHED: True}):
                 return target(*args, **kwargs)
-        previous = _flag("caching")
-        _STATE.caching = True
-        try:
+        mode = getattr(_STATE, "cache_mode", None)
+        if mode is None:  # the body run by itself, outside its region's checkpoint
             return target(*args, **kwargs)
-        finally:
-            _STATE.caching = previous
+        with mode:
+            return target(*args, **kwargs)
 
     name = getattr(target, "__name__", "op").replace(".", "_")
     planner_cached.__name__ = planner_cached.__qualname__ = f"planner_cached_{name}"
@@ -74,15 +79,95 @@ def _returns_view(op) -> bool:
     return schema is not None and any(r.alias_info is not None for r in schema.returns)
 
 
+@functools.cache
+def _is_cached(op) -> bool:
+    """Whether a cached node's ATen op keeps its output: views (and in-place ops, which return their input) are
+    free to recompute, and caching one would pin its base; ``detach`` runs a different number of times in the
+    recomputation."""
+    return not _returns_view(op) and op is not torch.ops.aten.detach.default
+
+
+def _detached(value: Any) -> Any:
+    """``value`` (an op's output: a tensor, a tuple or list of them, or anything else) with each tensor replaced
+    by a new alias outside autograd; by hand, as pytree's maps cost more than the op at test size."""
+    if isinstance(value, torch.Tensor):
+        return value.detach()
+    if isinstance(value, (tuple, list)):
+        return type(value)(_detached(v) for v in value)
+    return value
+
+
+def _versions(value: Any) -> tuple[int, ...]:
+    if isinstance(value, torch.Tensor):
+        return (value._version,)
+    if isinstance(value, (tuple, list)):
+        return tuple(v for item in value for v in _versions(item))
+    return ()
+
+
+class _RegionCache:
+    """The outputs one call of a region caches, in the order its forward made them, each with the versions of its
+    tensors (a later in-place write to one would make the replay wrong, so the replay checks them). The replay
+    drops each entry as it hands it out, so the recomputation holds it only as long as what it recomputes does."""
+
+    def __init__(self) -> None:
+        self.entries: list[tuple[Any, tuple[int, ...]] | None] = []
+        self.replayed = 0
+
+    def record(self, out: Any) -> None:
+        self.entries.append((_detached(out), _versions(out)))
+
+    def replay(self, op) -> Any:
+        if self.replayed >= len(self.entries):
+            raise PlannerError(f"a region's recomputation called {op} more often than its forward did",
+                               hint="the region's ops must not depend on state that changes between forward and "
+                                    "backward")
+        (out, versions), self.entries[self.replayed] = self.entries[self.replayed], None
+        self.replayed += 1
+        if _versions(out) != versions:
+            raise PlannerError(f"a tensor a checkpoint region cached ({op}) was written in place after the region "
+                               f"made it", hint="plan again: nodes whose outputs are written in place are never "
+                                                "cached")
+        return _detached(out)
+
+
+class _Recording(TorchDispatchMode):
+    """Entered around each cached node's op in a region's forward: runs it, and caches what it makes."""
+
+    def __init__(self, cache: _RegionCache) -> None:
+        super().__init__()
+        self.cache = cache
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if _is_cached(func):
+            self.cache.record(out)
+        return out
+
+
+class _Replaying(TorchDispatchMode):
+    """Entered around each cached node's op in a region's recomputation: hands out what the forward cached
+    instead of running it (autograd, above this mode, still records the op and what it saves)."""
+
+    def __init__(self, cache: _RegionCache) -> None:
+        super().__init__()
+        self.cache = cache
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not _is_cached(func):
+            return func(*args, **(kwargs or {}))
+        return self.cache.replay(func)
+
+
 def _caching() -> bool:
-    """Whether the op being run (eagerly) or traced (by ``torch.compile``) belongs to a cached node."""
-    return _flag("caching") or bool((fx_traceback.get_current_meta().get("custom") or {}).get(CACHED))
+    """Whether the op being traced by ``torch.compile`` belongs to a cached node."""
+    return bool((fx_traceback.get_current_meta().get("custom") or {}).get(CACHED))
 
 
 def _cache_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    """Save what cached nodes allocate; views are free to recompute and caching one would pin its base. Generator
-    states of dropout masks are always saved: a mask re-drawn after a kept one must draw from its own state."""
-    if _caching() and not _returns_view(op) or op is STATE_OP:
+    """Under ``torch.compile``: save what cached nodes allocate (see :func:`_is_cached`). Generator states of
+    dropout masks are always saved: a mask re-drawn after a kept one must draw from its own state."""
+    if _caching() and _is_cached(op) or op is STATE_OP:
         return CheckpointPolicy.MUST_SAVE
     return CheckpointPolicy.PREFER_RECOMPUTE
 
@@ -96,14 +181,15 @@ def planner_batch_norm(input, weight, bias, running_mean, running_var, training,
 
 
 @contextmanager
-def _recomputing(inner) -> Iterator[None]:
-    previous = _flag("recomputing")
-    _STATE.recomputing = True
+def _region_pass(recomputing: bool, cache_mode: TorchDispatchMode | None) -> Iterator[None]:
+    """One pass of a region's body: its forward or (``recomputing``) its recomputation, with the mode its cached
+    nodes run under (None: it caches nothing)."""
+    previous = _flag("recomputing"), getattr(_STATE, "cache_mode", None)
+    _STATE.recomputing, _STATE.cache_mode = recomputing, cache_mode
     try:
-        with inner:
-            yield
+        yield
     finally:
-        _STATE.recomputing = previous
+        _STATE.recomputing, _STATE.cache_mode = previous
 
 
 class CheckpointRegion(torch.nn.Module):
@@ -116,11 +202,10 @@ class CheckpointRegion(torch.nn.Module):
         self.cached_nodes = tuple(cached_nodes)
 
     def _contexts(self):
-        if self.cached_nodes:
-            forward, recompute = create_selective_checkpoint_contexts(_cache_policy)
-        else:
-            forward, recompute = nullcontext(), nullcontext()
-        return forward, _recomputing(recompute)
+        if not self.cached_nodes:
+            return nullcontext(), _region_pass(True, None)
+        cache = _RegionCache()  # one per call: checkpoint asks for the contexts each time it runs the region
+        return _region_pass(False, _Recording(cache)), _region_pass(True, _Replaying(cache))
 
     def forward(self, *args: Any) -> Any:
         if torch.compiler.is_compiling():
@@ -220,7 +305,7 @@ def _build_body(nodes: list[fx.Node], cached: set[str]) -> tuple[fx.GraphModule,
         copied = body.node_copy(n, lambda x: env[x])
         if n.target is torch.ops.aten.batch_norm.default:
             copied.target = planner_batch_norm
-        if n.name in cached:
+        if n.name in cached or cached and n.target is STATE_OP:  # see _cache_policy: states are always kept
             copied.target = cached_call(copied.target)
         env[n] = copied
     body.output(tuple(env[n] for n in outputs))

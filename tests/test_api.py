@@ -176,8 +176,8 @@ def test_a_calibration_that_cannot_tell_recomputation_from_free_is_ignored(monke
 @pytest.mark.parametrize("excess", [0.05, 0.2, 0.5, 0.95])
 def test_calibration_times_plain_checkpointing_apart_from_the_caching_options(monkeypatch, excess):
     """Eager against plain checkpointing in rounds of their own (as a training loop runs it), then eager against
-    every stage's first caching option; that excess is scaled to the first eager median (timings scripted). The
-    measured totals hold whether they fall short of the profile's forward times (5%) or exceed them (95%)."""
+    every stage's option that caches the most; that excess is scaled to the first eager median (timings scripted).
+    The measured totals hold whether they fall short of the profile's forward times (5%) or exceed them (95%)."""
     import planner.api as api
     from planner.capture import capture
 
@@ -199,6 +199,6 @@ def test_calibration_times_plain_checkpointing_apart_from_the_caching_options(mo
     assert step == pytest.approx(1.0)  # scaled to the first eager median
     plain = sum(s.recompute_options[0].recompute_seconds for s in problem.stages)
     assert plain == pytest.approx(excess)
-    caching = [s.recompute_options[1] for s in problem.stages if len(s.recompute_options) > 1]
+    caching = [s.recompute_options[api._most_cached(s)] for s in problem.stages if len(s.recompute_options) > 1]
     assert caching and all(o.cached_nodes for o in caching)
     assert sum(o.recompute_seconds for o in caching) == pytest.approx(excess)  # of the first eager step, not twice

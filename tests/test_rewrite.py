@@ -157,3 +157,43 @@ def test_a_region_that_reads_its_input_and_then_writes_it_in_place_is_refused():
                 stage_nodes=(tuple(names[:cut]), tuple(names[cut:])))
     with pytest.raises(PlannerError, match="write linear in place"):
         apply_plan(captured.graph_module, plan)
+
+
+class _CountingMode(torch.utils._python_dispatch.TorchDispatchMode):
+    def __init__(self, op):
+        super().__init__()
+        self.op, self.calls = op, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls += func is self.op
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("option, convolutions", [("recompute_all", 6), ("cache_matmuls", 4)])
+def test_a_region_replays_its_cached_ops_instead_of_running_them(convnet, option, convolutions):
+    """Blocks 1-2 in one region: recomputing everything runs their two convolutions again (6 in all); caching the
+    matmuls hands the recomputation the forward's outputs (4, the forward's), and the step stays eager's."""
+    model, x, captured, problem, stage_nodes = convnet
+    options = [next(i for i, o in enumerate(problem.stages[k].recompute_options) if o.name == option) for k in (1, 2)]
+    planned = _planned(convnet, Schedule((Region(1, 3, tuple(options)),)))
+    eager = training_step(model, _loss(x), (x,))
+    with _CountingMode(torch.ops.aten.convolution.default) as counting:
+        result = training_step(planned, _loss(x), (x,), owner=model)
+    assert counting.calls == convolutions
+    assert_same_training(eager, result, atol=0)
+
+
+def test_a_cached_tensor_written_in_place_after_caching_is_refused():
+    from planner.rewrite import _RegionCache
+
+    cache, made = _RegionCache(), torch.ones(3)
+    cache.record(made)
+    made.add_(1)
+    with pytest.raises(PlannerError, match="written in place"):
+        cache.replay(torch.ops.aten.mul.Tensor)
+    fresh = _RegionCache()
+    fresh.record((torch.ones(2), torch.zeros(2)))
+    first, second = fresh.replay(torch.ops.aten.mul.Tensor)
+    assert first.tolist() == [1.0, 1.0] and second.tolist() == [0.0, 0.0] and fresh.entries == [None]
+    with pytest.raises(PlannerError, match="more often"):
+        fresh.replay(torch.ops.aten.mul.Tensor)
