@@ -321,9 +321,9 @@ def _cached_node_charges(options: Sequence[RecomputeOption], share: float, timed
 def _charges(costs: Sequence[float], share: float, timed_cost: float) -> list[float]:
     """What each of a stage's options (now costing ``costs``) is charged, from the ``share`` that a measurement
     charged to the one timed (costing ``timed_cost``): an excess is the checkpoint machinery's, the same for every
-    option (hooks per saved tensor); a shortfall means the nodes' own times
-    over-count, and shrinks each option in proportion. Charged flat, a noisy low measurement would make the options
-    that recompute little free, and push the others' share onto them.
+    option (hooks per saved tensor); a shortfall means the nodes' own times over-count, and shrinks each option in
+    proportion. Charged flat, a noisy low measurement would make the options that recompute little free, and push
+    the others' share onto them.
 
     >>> _charges([4.0, 3.0, 1.0], 1.0, 3.0)
     [1.0, 1.0, 1.0]

@@ -120,8 +120,9 @@ class _RegionCache:
     def replay(self, op) -> Any:
         if self.replayed >= len(self.entries):
             raise PlannerError(f"a region's recomputation called {op} more often than its forward did",
-                               hint="the region's ops must not depend on state that changes between forward and "
-                                    "backward")
+                               hint="a caching region's backward runs once per forward (as with selective "
+                                    "checkpointing: no retain_graph=True), and its ops must not depend on state "
+                                    "that changes between forward and backward")
         (out, versions), self.entries[self.replayed] = self.entries[self.replayed], None
         self.replayed += 1
         if _versions(out) != versions:
