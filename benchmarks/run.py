@@ -320,7 +320,7 @@ def planner_at(posed: Posed, budget: int, matches: str, compile_it: bool = False
     plan planned for the most memory is kept; that time counts as setup too."""
     example, setting = posed.example, f"budget {format_bytes(budget)}"
     start = time.perf_counter()
-    target, kept, kept_target, found, tried_least = budget, None, 0, None, False
+    target, kept, found, tried_least = budget, None, None, False
     fits_at, exceeds_at, measured, solves = 0, float("inf"), {}, 0
     while len(measured) <= (COMPILED_REPLANS if compile_it else 0) and solves < 3 * (COMPILED_REPLANS + 1):
         solves += 1
@@ -347,9 +347,8 @@ def planner_at(posed: Posed, budget: int, matches: str, compile_it: bool = False
                                               budget_bytes=budget, matches=matches)
         found = measured[plan.regions]
         if found.peak_bytes <= budget:
-            fits_at = max(fits_at, target)
-            if kept is None or target > kept_target:  # the most memory that fits: the least recomputation
-                kept, kept_target = found, target
+            if target > fits_at:  # the most memory that fits: the least recomputation
+                kept, fits_at = found, target
             if found.peak_bytes >= (1 - COMPILED_SLACK) * budget or not plan.regions:
                 break
         else:

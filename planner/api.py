@@ -237,10 +237,10 @@ def _calibrate_checkpoint_overheads(captured: CapturedGraph, problem: Problem, s
     170 ms a step, enough to make caching look free)."""
     n = problem.num_stages
     caching = [k for k, s in enumerate(problem.stages) if len(s.recompute_options) > 1]
+    most_cached = [_most_cached(problem.stages[k]) for k in caching]  # the option timed, per caching stage
     schedules = {"checkpoint": Schedule.uniform(n)}
     if caching:
-        schedules["caching"] = Schedule(tuple(Region(k, k + 1, (_most_cached(problem.stages[k]),))
-                                              for k in caching))
+        schedules["caching"] = Schedule(tuple(Region(k, k + 1, (i,)) for k, i in zip(caching, most_cached)))
     modules = {"eager": captured.graph_module}
     for name, schedule in schedules.items():
         plan = Plan.from_schedule(problem, schedule, solver=name, status=SolverStatus.HEURISTIC)
@@ -283,7 +283,7 @@ def _calibrate_checkpoint_overheads(captured: CapturedGraph, problem: Problem, s
                                                  for s, hook in zip(problem.stages, hooks)], [0.0] * n)
     if not caching:
         return problem
-    timed_options = [problem.stages[k].recompute_options[_most_cached(problem.stages[k])] for k in caching]
+    timed_options = [problem.stages[k].recompute_options[i] for k, i in zip(caching, most_cached)]
     cached = [o.recompute_seconds for o in timed_options]
     selective: list[float | list[float]] = [0.0] * n
     for k, timed, share in zip(caching, timed_options,

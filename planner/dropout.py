@@ -184,7 +184,7 @@ class _MaskApplied(torch.autograd.Function):
 
 _LIBRARY.impl("rng_state", rng_state, "CompositeExplicitAutograd")
 _LIBRARY.impl("dropout_mask", dropout_mask, "CompositeExplicitAutograd")
-# Composite: autograd, dispatch modes (the meters, selective checkpointing) and tracers see the ATen ops it runs.
+# Composite: autograd, dispatch modes (the meters, a region's cache modes) and tracers see the ATen ops it runs.
 _LIBRARY.impl("apply_mask", apply_mask, "CompositeImplicitAutograd")
 
 

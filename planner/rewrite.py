@@ -132,12 +132,16 @@ class _RegionCache:
         return _detached(out)
 
 
-class _Recording(TorchDispatchMode):
-    """Entered around each cached node's op in a region's forward: runs it, and caches what it makes."""
+class _CacheMode(TorchDispatchMode):
+    """A dispatch mode bound to one call's :class:`_RegionCache`."""
 
     def __init__(self, cache: _RegionCache) -> None:
         super().__init__()
         self.cache = cache
+
+
+class _Recording(_CacheMode):
+    """Entered around each cached node's op in a region's forward: runs it, and caches what it makes."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -146,13 +150,9 @@ class _Recording(TorchDispatchMode):
         return out
 
 
-class _Replaying(TorchDispatchMode):
+class _Replaying(_CacheMode):
     """Entered around each cached node's op in a region's recomputation: hands out what the forward cached
     instead of running it (autograd, above this mode, still records the op and what it saves)."""
-
-    def __init__(self, cache: _RegionCache) -> None:
-        super().__init__()
-        self.cache = cache
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if not _is_cached(func):
@@ -182,7 +182,7 @@ def planner_batch_norm(input, weight, bias, running_mean, running_var, training,
 
 
 @contextmanager
-def _region_pass(recomputing: bool, cache_mode: TorchDispatchMode | None) -> Iterator[None]:
+def _region_pass(recomputing: bool, cache_mode: _CacheMode | None) -> Iterator[None]:
     """One pass of a region's body: its forward or (``recomputing``) its recomputation, with the mode its cached
     nodes run under (None: it caches nothing)."""
     previous = _flag("recomputing"), getattr(_STATE, "cache_mode", None)
