@@ -65,17 +65,20 @@ def test_run_side_by_side_table_on_a_tiny_chain():
 
 
 def test_fidelity_rows_hold_predicted_peaks_and_time_against_the_captured_graph(tmp_path, capsys):
-    """benchmarks.fidelity on the LargeBlock chain at test size, one timing round: every budget point's predicted
-    peak holds within 3% when measured, and the no-recomputation point predicts no overhead; the report names the
+    """benchmarks.fidelity on the LargeBlock chain at test size, one timing round and one more (a median of one
+    ratio has no standard error, so a round is added, up to --max-repeats): every budget point's predicted peak
+    holds within 3% when measured, and the no-recomputation point predicts no overhead; the report names the
     machine and the command, and is written where asked."""
     from benchmarks import fidelity
 
     out = tmp_path / "FIDELITY.md"
-    rows = fidelity.main(["largeblock", "--repeats", "1", "--threads", str(torch.get_num_threads()),
-                          "--heap", "glibc", "--out", str(out)])  # the test process keeps malloc's defaults
+    rows = fidelity.main(["largeblock", "--repeats", "1", "--max-repeats", "2", "--threads",
+                          str(torch.get_num_threads()), "--heap", "glibc", "--out", str(out)])  # malloc's defaults
     written = out.read_text()
     assert "Machine: " in written and "heap: malloc's defaults" in written
-    assert "python -m benchmarks.fidelity largeblock --repeats 1" in written
+    assert "python -m benchmarks.fidelity largeblock --repeats 1 --max-repeats 2" in written
+    assert "over 1 to 2 interleaved rounds" in written and "2 timing rounds" in written
+    assert all(r.rounds == 2 for r in rows)
     assert sum(line.startswith("largeblock ") for line in written.splitlines()) == 5
     assert "peak within 3%: 5 of 5 plans" in written
     assert "peak within 3%: 5 of 5 plans" in capsys.readouterr().out
