@@ -305,8 +305,9 @@ def read_plan(path: str) -> Plan:
 
 
 def run_explain(args: argparse.Namespace, progress: Progress) -> int:
-    """``planner explain``: the stage table of a plan file."""
-    print(explain(read_plan(args.plan), show_nodes=args.nodes))
+    """``planner explain``: the stage table of a plan file (with ``--nodes``/``--tensors``, what each caches and
+    what becomes of each tensor)."""
+    print(explain(read_plan(args.plan), show_nodes=args.nodes, show_tensors=args.tensors))
     return EXIT_OK
 
 
@@ -480,6 +481,8 @@ def build_parser() -> argparse.ArgumentParser:
     show = commands.add_parser("explain", parents=[_common(False)], help="what a plan keeps and recomputes")
     show.add_argument("plan", metavar="PLAN.json")
     show.add_argument("--nodes", action="store_true", help="list the cached nodes of each stage")
+    show.add_argument("--tensors", action="store_true",
+                      help="list each stage's tensors held for the backward: kept, region input, cached or recomputed")
     show.set_defaults(run=run_explain)
     sweep = commands.add_parser("sweep", parents=[_common(True)], help="compare the planner with the baselines")
     sweep.add_argument("--budgets", required=True, help="comma-separated, e.g. 30%%,50%%,70%%,100%%")

@@ -11,25 +11,33 @@
 >>> problem = Problem(stages, tensors, fixed_bytes=10_000)
 >>> plan = Plan.from_schedule(problem, Schedule((Region(0, 2, (0, 1)),)), solver="ilp",
 ...                           status=SolverStatus.OPTIMAL, gap=0.0)
->>> print(explain(plan, show_nodes=True))
+>>> print(explain(plan, show_nodes=True, show_tensors=True))
 plan by ilp (optimal): 2 of 3 stages recomputed in 1 region(s)
 stage     decision                                kept (plan)  kept (eager)  recompute
 --------  --------------------------------------  -----------  ------------  ---------
 layers.0  recomputed in region 0                          0 B     16.00 KiB    2.00 ms
+    recomputed     16.00 KiB  h0
+    recomputed      4.00 KiB  x0
+    recomputing frees 20.00 KiB between the forward and the backward
 layers.1  recomputed in region 0, caching 1 node    16.00 KiB     20.00 KiB   500.0 us
     caches mm1
+    cached         16.00 KiB  h1
+    kept            4.00 KiB  x1
 layers.2  stored                                    20.00 KiB     20.00 KiB          0
+    kept           16.00 KiB  h2
 --------  --------------------------------------  -----------  ------------  ---------
 total     2 of 3 recomputed                         36.00 KiB     56.00 KiB    2.50 ms
 predicted peak 49.77 KiB (76% of eager 65.77 KiB), +13.9% step time
 kept: bytes a stage holds from its forward for its backward; a checkpoint region's inputs count for its first
 stage, and a tensor that two stages save counts for both.
+tensors: listed under the stage that makes them, largest first; a region input is held by the checkpoint of a
+later region that reads it; cached ones are held, and the recomputation takes them instead of remaking them.
 """
 
 from __future__ import annotations
 
 from .budget import format_bytes
-from .plan import Plan, StageSummary
+from .plan import Plan, StageSummary, TensorFate
 
 __all__ = ["explain", "format_seconds"]
 
@@ -37,6 +45,10 @@ _COLUMNS = ("stage", "decision", "kept (plan)", "kept (eager)", "recompute")
 _RIGHT = (False, False, True, True, True)
 _NOTE = ("kept: bytes a stage holds from its forward for its backward; a checkpoint region's inputs count for its "
          "first\nstage, and a tensor that two stages save counts for both.")
+_FATE_WIDTH = max(len(f.value) for f in TensorFate)
+_TENSOR_NOTE = ("tensors: listed under the stage that makes them, largest first; a region input is held by the "
+                "checkpoint of a\nlater region that reads it; cached ones are held, and the recomputation takes "
+                "them instead of remaking them.")
 
 
 def format_seconds(seconds: float | None) -> str:
@@ -114,13 +126,17 @@ def _prediction(plan: Plan) -> str:
             f"{format_bytes(plan.eager_peak_bytes)}){budget}, +{plan.predicted_overhead:.1%} step time")
 
 
-def explain(plan: Plan, *, show_nodes: bool = False) -> str:
+def explain(plan: Plan, *, show_nodes: bool = False, show_tensors: bool = False) -> str:
     """A table of what each stage keeps for the backward and what it recomputes under ``plan``.
 
     Parameters
     ----------
     plan : a plan, made by a solver or read with :meth:`Plan.from_json <planner.plan.Plan.from_json>`.
     show_nodes : also list, under each recomputed stage, the graph nodes whose outputs it caches.
+    show_tensors : also list, under each stage, the tensors it makes that eager training holds for the backward
+        (or that a region holds as its input), largest first: kept, region input, cached or recomputed, and their
+        bytes; then, for a stage that recomputes any, the bytes recomputing them frees (the stage's row has the
+        time it costs).
 
     Returns
     -------
@@ -145,15 +161,30 @@ def explain(plan: Plan, *, show_nodes: bool = False) -> str:
     lines = [f"plan by {plan.solver} ({plan.status.value}): {len(plan.recomputed_stage_names)} of "
              f"{len(plan.stage_names)} stages recomputed in {len(plan.regions)} region(s)"]
     table = _table(rows, _total_row(plan))
-    if show_nodes and plan.stage_summaries:
-        table = _with_nodes(table, plan)
-    return "\n".join([*lines, *table, _prediction(plan), _NOTE])
+    if show_nodes or show_tensors:
+        table = _with_details(table, plan, nodes=show_nodes, tensors=show_tensors)
+    notes = [_NOTE, _TENSOR_NOTE] if show_tensors and plan.tensor_summaries else [_NOTE]
+    return "\n".join([*lines, *table, _prediction(plan), *notes])
 
 
-def _with_nodes(table: list[str], plan: Plan) -> list[str]:
+def _tensor_lines(plan: Plan, stage: int) -> list[str]:
+    tensors = sorted((t for t in plan.tensor_summaries if t.stage == stage), key=lambda t: (-t.nbytes, t.name))
+    lines = [f"    {t.fate.value:{_FATE_WIDTH}s}  {format_bytes(t.nbytes):>10s}  {t.name}" for t in tensors]
+    freed = sum(t.nbytes for t in tensors if t.fate is TensorFate.RECOMPUTED)
+    if freed:
+        lines.append(f"    recomputing frees {format_bytes(freed)} between the forward and the backward")
+    return lines
+
+
+def _with_details(table: list[str], plan: Plan, *, nodes: bool, tensors: bool) -> list[str]:
+    """``table`` with, under each stage's row, the nodes it caches and the tensors it makes."""
+    n = len(plan.stage_names)
     out = table[:2]
-    for line, summary in zip(table[2:], plan.stage_summaries):
+    for k, line in enumerate(table[2:2 + n]):
         out.append(line)
-        if summary.cached_nodes:
+        summary = plan.stage_summaries[k] if plan.stage_summaries else None
+        if nodes and summary is not None and summary.cached_nodes:
             out.append(f"    caches {', '.join(summary.cached_nodes)}")
-    return out + table[2 + len(plan.stage_summaries):]
+        if tensors:
+            out += _tensor_lines(plan, k)
+    return out + table[2 + n:]

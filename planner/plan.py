@@ -23,7 +23,7 @@ from typing import Any
 
 from .budget import format_bytes
 from .errors import PlannerError
-from .problem import Problem, Region, Schedule, simulate
+from .problem import Problem, Region, Schedule, TensorInfo, simulate
 from .schema import plan_schema, validate
 
 SCHEMA_VERSION = 1
@@ -63,6 +63,63 @@ class StageSummary:
     recompute_seconds: float
     cached_nodes: tuple[str, ...]
     saved_bytes_planned: int | None = None
+
+
+class TensorFate(enum.Enum):
+    """What a plan does with a tensor that the backward, or a later checkpoint region, needs from the forward."""
+
+    KEPT = "kept"  # held from the forward to the backward: a stored stage saves it
+    REGION_INPUT = "region input"  # held by the checkpoint of a region that reads it, until the region re-runs
+    CACHED = "cached"  # made inside a region and held; the region's recomputation takes it instead of remaking it
+    RECOMPUTED = "recomputed"  # freed once the forward is done with it, made again when its region re-runs
+
+
+@dataclass(frozen=True)
+class TensorSummary:
+    """One tensor that eager training holds for the backward (or that a region's checkpoint holds as an input),
+    and its fate under the plan: ``stage`` makes it (``node``), ``nbytes`` is its storage."""
+
+    name: str
+    node: str
+    stage: int
+    nbytes: int
+    fate: TensorFate
+
+
+def _fate(tensor: TensorInfo, owner: list[int | None], cached: list[frozenset[str]]) -> TensorFate | None:
+    region = owner[tensor.producer]
+    if region is not None and tensor.node and tensor.node in cached[tensor.producer]:
+        return TensorFate.CACHED
+    if any(owner[s] is None for s in tensor.savers):
+        return TensorFate.KEPT
+    if any(owner[c] is not None and owner[c] != region for c in tensor.consumers):
+        return TensorFate.REGION_INPUT
+    return TensorFate.RECOMPUTED if tensor.savers else None
+
+
+def tensor_summaries(problem: Problem, schedule: Schedule) -> tuple[TensorSummary, ...]:
+    """Per tensor that some stage saves for its backward, or that a region reads from before it, in the order the
+    forward makes them: its size and what ``schedule`` does with it (:class:`TensorFate`).
+
+    >>> from planner.problem import Stage, TensorInfo
+    >>> stages = tuple(Stage(s, 1.0, 2.0) for s in "abc")
+    >>> problem = Problem(stages, (
+    ...     TensorInfo("h", 40, producer=1, savers=frozenset({1}), node="mm"),
+    ...     TensorInfo("x", 10, producer=0, consumers=frozenset({1}), savers=frozenset({1}), node="relu"),
+    ...     TensorInfo("y", 10, producer=1, consumers=frozenset({2}), savers=frozenset({2}), node="add")))
+    >>> [(t.name, t.fate.value) for t in tensor_summaries(problem, Schedule.from_segments([(1, 2)]))]
+    [('h', 'recomputed'), ('x', 'region input'), ('y', 'kept')]
+    """
+    owner = schedule.region_index(problem.num_stages)
+    cached = [frozenset() if owner[k] is None else
+              stage.recompute_options[schedule.regions[owner[k]].option_of(k)].cached_nodes
+              for k, stage in enumerate(problem.stages)]
+    summaries = []
+    for t in problem.tensors:
+        fate = _fate(t, owner, cached)
+        if fate is not None:
+            summaries.append(TensorSummary(t.name, t.node, t.producer, t.nbytes, fate))
+    return tuple(summaries)
 
 
 def usable_bytes(budget_bytes: int, allocator_margin: float) -> int:
@@ -148,6 +205,7 @@ class Plan:
     torch_version: str = ""
     device: str = ""
     stage_summaries: tuple[StageSummary, ...] = ()
+    tensor_summaries: tuple[TensorSummary, ...] = ()
     extra: tuple[tuple[str, Any], ...] = field(default=(), compare=False)
     schema_version: int = SCHEMA_VERSION
     timing: str = ""  # where the times came from: "wall_clock", "cuda_events", "analytic:h100"
@@ -183,7 +241,8 @@ class Plan:
             predicted_recompute_seconds=evaluation.recompute_seconds,
             predicted_overhead=evaluation.recompute_seconds / eager_seconds if eager_seconds > 0 else 0.0,
             solver=solver, status=status, gap=gap, solve_seconds=solve_seconds, budget_bytes=budget_bytes,
-            stage_summaries=stage_summaries(problem, schedule), lower_bound_seconds=lower_bound_seconds)
+            stage_summaries=stage_summaries(problem, schedule), tensor_summaries=tensor_summaries(problem, schedule),
+            lower_bound_seconds=lower_bound_seconds)
 
     @property
     def schedule(self) -> Schedule:
@@ -222,6 +281,7 @@ class Plan:
         data = dataclasses.asdict(self)
         data["status"] = self.status.value
         data["regions"] = [dataclasses.asdict(r) for r in self.regions]
+        data["tensor_summaries"] = [{**dataclasses.asdict(t), "fate": t.fate.value} for t in self.tensor_summaries]
         data["extra"] = dict(self.extra)
         return data
 
@@ -259,6 +319,8 @@ class Plan:
         values["stage_nodes"] = tuple(tuple(s) for s in data.get("stage_nodes", ()))
         values["stage_summaries"] = tuple(StageSummary(**{**s, "cached_nodes": tuple(s["cached_nodes"])})
                                           for s in data.get("stage_summaries", ()))
+        values["tensor_summaries"] = tuple(TensorSummary(**{**t, "fate": TensorFate(t["fate"])})
+                                           for t in data.get("tensor_summaries", ()))
         values["extra"] = tuple(sorted(data.get("extra", {}).items()))
         return cls(**values)
 
@@ -296,6 +358,10 @@ def _check_consistency(data: dict[str, Any]) -> None:
     for key in ("stage_nodes", "stage_summaries"):
         if data.get(key) and len(data[key]) != n:
             raise _malformed(f"$.{key}", f"{len(data[key])} entries for {n} stages")
+    for i, tensor in enumerate(data.get("tensor_summaries", ())):
+        if tensor["stage"] >= n:
+            raise _malformed(f"$.tensor_summaries[{i}].stage",
+                             f"stage {tensor['stage']} is past the last stage {n - 1}")
     for k, summary in enumerate(data.get("stage_summaries", ())):
         if summary["name"] != data["stage_names"][k]:
             raise _malformed(f"$.stage_summaries[{k}].name",

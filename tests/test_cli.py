@@ -292,3 +292,17 @@ def test_solver_progress_and_time_limit_reach_the_solver(tmp_path, monkeypatch, 
     assert "planner: dp: stage 1/4" in captured.err
     plan = Plan.from_dict(json.loads(captured.out))
     assert plan.lower_bound_seconds is not None and plan.gap is not None
+
+
+def test_explain_tensors_lists_what_becomes_of_each_tensor(tmp_path, capsys):
+    problem = Problem(tuple(Stage(f"block.{i}", 0.001, 0.002) for i in range(2)),
+                      (TensorInfo("h0", 4096, producer=0, savers=frozenset({0}), node="mm0"),
+                       TensorInfo("x0", 1024, producer=0, consumers=frozenset({1}), savers=frozenset({1}),
+                                  node="add0")))
+    path = tmp_path / "plan.json"
+    path.write_text(Plan.from_schedule(problem, Schedule.from_segments([(0, 1)]), solver="dp",
+                                       status=SolverStatus.OPTIMAL).to_json())
+    assert cli.main(["explain", str(path), "--tensors"]) == 0
+    out = capsys.readouterr().out
+    assert "    recomputed      4.00 KiB  h0" in out and "    kept            1.00 KiB  x0" in out
+    assert cli.main(["explain", str(path)]) == 0 and "h0" not in capsys.readouterr().out

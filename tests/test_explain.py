@@ -4,7 +4,7 @@ import pytest
 
 import planner
 from planner.explain import explain, format_seconds
-from planner.plan import Plan, SolverStatus, StageSummary
+from planner.plan import Plan, SolverStatus, StageSummary, TensorFate
 from planner.problem import Problem, RecomputeOption, Region, Schedule, Stage, TensorInfo
 
 
@@ -92,3 +92,43 @@ def test_explain_is_exported_from_the_package():
 @pytest.mark.parametrize("seconds, text", [(0, "0"), (5e-7, "0.5 us"), (0.25, "250.00 ms"), (12.5, "12.50 s")])
 def test_format_seconds(seconds, text):
     assert format_seconds(seconds) == text
+
+
+def test_explain_lists_each_stages_tensors_and_their_fate_on_request():
+    text = explain(_plan(Schedule((Region(1, 3, (0, 1)),))), show_tensors=True)
+    lines = text.splitlines()
+    first = lines.index(next(line for line in lines if line.startswith("layers.1")))
+    # layers.1 makes h1 (only it saves it) and x1 (saved by layers.1 and layers.2, both recomputed)
+    assert lines[first + 1].split() == ["recomputed", "8.00", "KiB", "h1"]
+    assert lines[first + 2].split() == ["recomputed", "1.00", "KiB", "x1"]
+    assert lines[first + 3] == "    recomputing frees 9.00 KiB between the forward and the backward"
+    assert "    cached          8.00 KiB  h2" in lines  # keep_mm caches mm2, which makes h2
+    assert "    kept            1.00 KiB  x2" in lines  # layers.3, stored, saves it
+    assert "    kept            1.00 KiB  x0" in lines  # so does layers.0, which makes it
+    assert text.endswith("instead of remaking them.")
+    assert "recomputing frees" not in explain(_plan(Schedule())) and "h1" not in explain(_plan(Schedule()))
+
+
+def test_explain_shows_region_inputs_held_by_a_later_region():
+    text = explain(_plan(Schedule.uniform(4)), show_tensors=True, show_nodes=True)
+    assert text.count("region input") == 3 + 1  # x0, x1, x2, and the note
+    assert "caches" not in text
+
+
+def test_a_real_models_plan_names_its_graph_tensors_and_their_fates():
+    """An MLP chain planned at 70% of its eager peak: every listed tensor is made by a node of the stage it
+    is listed under; unplanned, all are kept; planned, some are recomputed, and the tensors a stored stage keeps
+    are what the stage summaries count for the stored stages that make and save them."""
+    torch = pytest.importorskip("torch")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(),
+                                                      torch.nn.Linear(256, 64)) for _ in range(4)))
+    x = torch.randn(2048, 64)
+    eager = planner.plan(model, "100%", (x,), profile_repeats=0)
+    assert eager.regions == () and {t.fate for t in eager.tensor_summaries} == {TensorFate.KEPT}
+    half = planner.plan(model, "70%", (x,), profile_repeats=0)
+    assert half.regions and TensorFate.RECOMPUTED in {t.fate for t in half.tensor_summaries}
+    for t in half.tensor_summaries:
+        assert t.node in half.stage_nodes[t.stage] and t.nbytes > 0
+    assert Plan.from_json(half.to_json()).tensor_summaries == half.tensor_summaries
+    assert "recomputing frees" in explain(half, show_tensors=True)
