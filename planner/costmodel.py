@@ -419,6 +419,7 @@ def build_problem(profile: GraphProfile, stages: Sequence[StageSpec], *, random_
                 continue
             tensors.append(TensorInfo(
                 name=f"{n.name}#{record.key}", nbytes=record.nbytes, producer=producer, node=n.name,
+                seconds=n.seconds, module_path=n.module_path,
                 consumers=frozenset(readers.get(record.key, set()) - {producer}),
                 savers=frozenset(savers.get(record.key, set())), is_output=hold_outputs and record.key in profile.output_keys))
     grad_stage: dict[str, int] = {}
@@ -641,7 +642,8 @@ def scale_seconds(problem: Problem, factor: float) -> Problem:
         s, forward_seconds=s.forward_seconds * factor, backward_seconds=s.backward_seconds * factor,
         options=tuple(dataclasses.replace(o, recompute_seconds=o.recompute_seconds * factor)
                       for o in s.recompute_options)) for s in problem.stages)
-    return dataclasses.replace(problem, stages=stages)
+    tensors = tuple(dataclasses.replace(t, seconds=t.seconds * factor) for t in problem.tensors)
+    return dataclasses.replace(problem, stages=stages, tensors=tensors)
 
 
 def add_checkpoint_overheads(problem: Problem, checkpoint_seconds: Sequence[float | Sequence[float]],

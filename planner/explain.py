@@ -30,14 +30,15 @@ total     2 of 3 recomputed                         36.00 KiB     56.00 KiB    2
 predicted peak 49.77 KiB (76% of eager 65.77 KiB), +13.9% step time
 kept: bytes a stage holds from its forward for its backward; a checkpoint region's inputs count for its first
 stage, and a tensor that two stages save counts for both.
-tensors: listed under the stage that makes them, largest first; a region input is held by the checkpoint of a
-later region that reads it; cached ones are held, and the recomputation takes them instead of remaking them.
+tensors: listed under the stage that makes them, largest first, with the module and the time of the op that
+makes them; a region input is held by the checkpoint of a later region that reads it; cached ones are held,
+and the recomputation takes them instead of remaking them.
 """
 
 from __future__ import annotations
 
 from .budget import format_bytes
-from .plan import Plan, StageSummary, TensorFate
+from .plan import Plan, StageSummary, TensorFate, TensorSummary
 
 __all__ = ["explain", "format_seconds"]
 
@@ -46,9 +47,9 @@ _RIGHT = (False, False, True, True, True)
 _NOTE = ("kept: bytes a stage holds from its forward for its backward; a checkpoint region's inputs count for its "
          "first\nstage, and a tensor that two stages save counts for both.")
 _FATE_WIDTH = max(len(f.value) for f in TensorFate)
-_TENSOR_NOTE = ("tensors: listed under the stage that makes them, largest first; a region input is held by the "
-                "checkpoint of a\nlater region that reads it; cached ones are held, and the recomputation takes "
-                "them instead of remaking them.")
+_TENSOR_NOTE = ("tensors: listed under the stage that makes them, largest first, with the module and the time of "
+                "the op that\nmakes them; a region input is held by the checkpoint of a later region that reads it; "
+                "cached ones are held,\nand the recomputation takes them instead of remaking them.")
 
 
 def format_seconds(seconds: float | None) -> str:
@@ -169,11 +170,25 @@ def explain(plan: Plan, *, show_nodes: bool = False, show_tensors: bool = False)
 
 def _tensor_lines(plan: Plan, stage: int) -> list[str]:
     tensors = sorted((t for t in plan.tensor_summaries if t.stage == stage), key=lambda t: (-t.nbytes, t.name))
-    lines = [f"    {t.fate.value:{_FATE_WIDTH}s}  {format_bytes(t.nbytes):>10s}  {t.name}" for t in tensors]
+    lines = [f"    {t.fate.value:{_FATE_WIDTH}s}  {format_bytes(t.nbytes):>10s}  {t.name}{_made_by(t)}" for t in tensors]
     freed = sum(t.nbytes for t in tensors if t.fate is TensorFate.RECOMPUTED)
     if freed:
         lines.append(f"    recomputing frees {format_bytes(freed)} between the forward and the backward")
     return lines
+
+
+def _made_by(tensor: TensorSummary) -> str:
+    """Where ``tensor`` comes from, when the plan recorded it: the module whose op makes it, and the op's time.
+
+    >>> _made_by(TensorSummary("relu#3", "relu", 0, 64, TensorFate.RECOMPUTED, 1.2e-5, "layers.0.act"))
+    '  (layers.0.act, op 12.0 us)'
+    >>> _made_by(TensorSummary("h", "mm", 0, 64, TensorFate.KEPT))
+    ''
+    """
+    where = [tensor.module_path] if tensor.module_path else []
+    if tensor.seconds:
+        where.append(f"op {format_seconds(tensor.seconds)}")
+    return f"  ({', '.join(where)})" if where else ""
 
 
 def _with_details(table: list[str], plan: Plan, *, nodes: bool, tensors: bool) -> list[str]:

@@ -77,13 +77,16 @@ class TensorFate(enum.Enum):
 @dataclass(frozen=True)
 class TensorSummary:
     """One tensor that eager training holds for the backward (or that a region's checkpoint holds as an input),
-    and its fate under the plan: ``stage`` makes it (``node``), ``nbytes`` is its storage."""
+    and its fate under the plan: ``stage`` makes it (``node``, an op of ``module_path`` that takes ``seconds``),
+    ``nbytes`` is its storage."""
 
     name: str
     node: str
     stage: int
     nbytes: int
     fate: TensorFate
+    seconds: float = 0.0
+    module_path: str = ""
 
 
 def _fate(tensor: TensorInfo, owner: list[int | None], cached: list[frozenset[str]]) -> TensorFate | None:
@@ -118,7 +121,7 @@ def tensor_summaries(problem: Problem, schedule: Schedule) -> tuple[TensorSummar
     for t in problem.tensors:
         fate = _fate(t, owner, cached)
         if fate is not None:
-            summaries.append(TensorSummary(t.name, t.node, t.producer, t.nbytes, fate))
+            summaries.append(TensorSummary(t.name, t.node, t.producer, t.nbytes, fate, t.seconds, t.module_path))
     return tuple(summaries)
 
 

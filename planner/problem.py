@@ -156,6 +156,8 @@ class TensorInfo:
     savers: frozenset[int] = frozenset()
     node: str = ""
     is_output: bool = False
+    seconds: float = 0.0  # the forward time of the op that makes it (its node's own, as profiled): for explaining
+    module_path: str = ""  # the module whose forward runs that op: for explaining
 
     @property
     def last_forward_use(self) -> int:

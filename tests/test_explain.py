@@ -1,4 +1,5 @@
 import dataclasses
+import re
 
 import pytest
 
@@ -130,5 +131,7 @@ def test_a_real_models_plan_names_its_graph_tensors_and_their_fates():
     assert half.regions and TensorFate.RECOMPUTED in {t.fate for t in half.tensor_summaries}
     for t in half.tensor_summaries:
         assert t.node in half.stage_nodes[t.stage] and t.nbytes > 0
+        assert t.module_path.startswith(half.stage_names[t.stage] + ".") and t.seconds > 0  # e.g. "2.1", a ReLU
     assert Plan.from_json(half.to_json()).tensor_summaries == half.tensor_summaries
-    assert "recomputing frees" in explain(half, show_tensors=True)
+    text = explain(half, show_tensors=True)
+    assert "recomputing frees" in text and re.search(r"  \(\d\.\d, op [\d.]+ [mu]?s\)", text)
