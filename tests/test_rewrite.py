@@ -197,3 +197,20 @@ def test_a_cached_tensor_written_in_place_after_caching_is_refused():
     assert first.tolist() == [1.0, 1.0] and second.tolist() == [0.0, 0.0] and fresh.entries == [None]
     with pytest.raises(PlannerError, match="more often"):
         fresh.replay(torch.ops.aten.mul.Tensor)
+
+
+def test_an_early_stopped_recomputation_does_not_pass_through_the_bodys_module_call(convnet, monkeypatch):
+    """A plain region's recomputation stops early by raising; called as a module, the body (a GraphModule) would
+    catch that exception to extract its traceback before re-raising, on every region of every step. The region
+    calls the body's forward instead: no traceback is extracted, and training is still eager's."""
+    import traceback
+
+    model, x, captured, problem, stage_nodes = convnet
+    planned = _planned(convnet, Schedule.uniform(4))
+    eager = training_step(model, _loss(x), (x,))
+    walked = []  # the wrapper walks the exception's traceback (traceback.walk_tb) to extract it
+    real = traceback.walk_tb
+    monkeypatch.setattr(traceback, "walk_tb", lambda tb: walked.append(tb) or real(tb))
+    result = training_step(planned, _loss(x), (x,), owner=model)
+    assert walked == []
+    assert_same_training(eager, result, atol=0)
