@@ -48,7 +48,7 @@ from typing import Callable, Iterator, Sequence
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from examples.common import EXAMPLES, Example, build_example
+from examples.common import EXAMPLES, Example, build_example, hugging_face_checkpointing
 from planner import solvers
 from planner.api import planned_module, pose as pose_captured
 from planner.budget import format_bytes
@@ -205,7 +205,7 @@ def uniform(example: Example) -> Candidate:
     """Every block checkpointed, as users do it for this kind of model."""
     if is_hugging_face(example.model):
         model = copy.deepcopy(example.model)
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        hugging_face_checkpointing(model, True)
         setting = "every block: gradient_checkpointing_enable"
     else:
         model = first_blocks_checkpointed(example, len(example.blocks()))

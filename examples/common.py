@@ -79,6 +79,17 @@ def check_size(size: str) -> str:
     return size
 
 
+def hugging_face_checkpointing(model: torch.nn.Module, enabled: bool) -> None:
+    """Switch a Hugging Face model's checkpointing of every layer (non-reentrant) on or off, by the name the
+    installed transformers gives it: ``activation_checkpointing_enable`` since 5.x (where the old
+    ``gradient_checkpointing_enable`` still works but warns that it is deprecated), or the old one before."""
+    new = "activation" if hasattr(model, "activation_checkpointing_enable") else "gradient"
+    if not enabled:
+        getattr(model, f"{new}_checkpointing_disable")()
+        return
+    getattr(model, f"{new}_checkpointing_enable")(**{f"{new}_checkpointing_kwargs": {"use_reentrant": False}})
+
+
 @contextlib.contextmanager
 def seeded(seed: int) -> Iterator[None]:
     """Run the body with the global CPU RNG seeded, restoring it afterwards."""

@@ -23,7 +23,7 @@ import planner
 from planner.budget import format_bytes
 from planner.timing import keep_freed_memory
 
-from .common import build_example
+from .common import build_example, hugging_face_checkpointing
 
 
 def measure(example, module) -> tuple[int, float]:
@@ -41,11 +41,11 @@ class HFCheckpointed(torch.nn.Module):
         self.model = model
 
     def forward(self, *args, **kwargs):
-        self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        hugging_face_checkpointing(self.model, True)
         try:
             return self.model(*args, **kwargs)
         finally:
-            self.model.gradient_checkpointing_disable()
+            hugging_face_checkpointing(self.model, False)
 
 
 def main(argv=None) -> None:
