@@ -135,9 +135,9 @@ def explain(plan: Plan, *, show_nodes: bool = False, show_tensors: bool = False)
     plan : a plan, made by a solver or read with :meth:`Plan.from_json <planner.plan.Plan.from_json>`.
     show_nodes : also list, under each recomputed stage, the graph nodes whose outputs it caches.
     show_tensors : also list, under each stage, the tensors it makes that eager training holds for the backward
-        (or that a region holds as its input), largest first: kept, region input, cached or recomputed, and their
-        bytes; then, for a stage that recomputes any, the bytes recomputing them frees (the stage's row has the
-        time it costs).
+        (or that a region holds as its input), largest first: kept, region input, cached or recomputed, their
+        bytes, and the module and time of the op that makes each; then, for a stage that recomputes any, the bytes
+        recomputing them frees (the stage's row has the time it costs).
 
     Returns
     -------
