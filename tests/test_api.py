@@ -190,7 +190,7 @@ def test_calibration_times_plain_checkpointing_apart_from_the_caching_options(mo
     def scripted(steps, *args, **kwargs):
         groups.append(list(steps))
         eager = 1.0 if len(groups) == 1 else 2.0  # the second group ran on a machine half as fast
-        return {name: Estimate(eager if name == "eager" else excess * eager, 0.001) for name in steps}
+        return {name: Estimate(eager if name == "eager" else excess * eager, 0.0) for name in steps}
 
     monkeypatch.setattr(api, "paired_step_seconds", scripted)
     problem = api.pose(captured, profile_repeats=1).problem
@@ -202,3 +202,36 @@ def test_calibration_times_plain_checkpointing_apart_from_the_caching_options(mo
     caching = [s.recompute_options[api._most_cached(s)] for s in problem.stages if len(s.recompute_options) > 1]
     assert caching and all(o.cached_nodes for o in caching)
     assert sum(o.recompute_seconds for o in caching) == pytest.approx(excess)  # of the first eager step, not twice
+
+
+def test_a_noisy_shortfall_does_not_make_recomputation_free(monkeypatch):
+    """A caching step timed at 0 +/- 0.3 of eager over it, short of the profile's times by less than its noise
+    shows: no correction, so the caching options keep the profile's costs, where taking the median would have
+    shrunk every one towards nothing; a clear shortfall (-0.5 +/- 0.01) still shrinks them, and plain
+    checkpointing timed at 0.1 +/- 0.01, clearly short of the forwards, shrinks to the median plus two standard
+    errors."""
+    import planner.api as api
+    from planner.capture import capture
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(),
+                                                      torch.nn.Linear(64, 16), torch.nn.Tanh()) for _ in range(3)])
+    captured = capture(model, (torch.randn(8, 16),))
+    shares = []
+    charges = api._cached_node_charges
+    monkeypatch.setattr(api, "_cached_node_charges", lambda options, share, timed: shares.append(share) or
+                        charges(options, share, timed))
+
+    def pose_with(checkpoint: Estimate, caching: Estimate):
+        def scripted(steps, *args, **kwargs):
+            return {"eager": Estimate(1.0, 0.01), **({"checkpoint": checkpoint} if "checkpoint" in steps else
+                                                      {"caching": caching})}
+        monkeypatch.setattr(api, "paired_step_seconds", scripted)
+        shares.clear()
+        return api.pose(captured, profile_repeats=1).problem
+
+    noisy = pose_with(Estimate(0.1, 0.01), Estimate(0.0, 0.3))
+    assert sum(s.recompute_options[0].recompute_seconds for s in noisy.stages) == pytest.approx(0.12)
+    assert shares and all(share == pytest.approx(0, abs=1e-12) for share in shares)
+    pose_with(Estimate(0.1, 0.01), Estimate(-0.5, 0.01))
+    assert shares and all(share <= 0 for share in shares) and any(share < 0 for share in shares)
