@@ -227,7 +227,7 @@ def _calibrate_checkpoint_overheads(captured: CapturedGraph, problem: Problem, s
     caches the most; what those steps cost beyond the recomputation the model predicts is the checkpoint
     machinery's (and the error of summing the nodes' own times), charged to every option, and to every caching
     option in proportion to the nodes it caches (see :func:`_charges`, :func:`_cached_node_charges`). A measured
-    shortfall shrinks the costs only as far as the measurement clearly shows (:func:`_supported`).
+    shortfall shrinks the costs only as far as the measurement clearly shows (:func:`_correction`).
 
     Plain checkpointing is timed against eager on its own, as a training loop runs it: interleaved with the
     caching options (the cache's allocations), Llama's checkpoint overhead measured 52% on the CPU, against 61-64%
@@ -281,7 +281,7 @@ def _calibrate_checkpoint_overheads(captured: CapturedGraph, problem: Problem, s
         problem = scale_seconds(problem, extra["eager"].median / eager)
     saved_counts = [sum(1 for t in problem.tensors if k in t.savers) for k in range(n)]
     forwards = [s.forward_seconds for s in problem.stages]
-    hooks = _correction(_supported(extra["checkpoint"], forwards), forwards, saved_counts)
+    hooks = _correction(extra["checkpoint"], forwards, saved_counts)
     problem = add_checkpoint_overheads(problem, [_charges([o.recompute_seconds for o in s.recompute_options],
                                                           hook, s.forward_seconds)
                                                  for s, hook in zip(problem.stages, hooks)], [0.0] * n)
@@ -291,29 +291,9 @@ def _calibrate_checkpoint_overheads(captured: CapturedGraph, problem: Problem, s
     cached = [o.recompute_seconds for o in timed_options]
     selective: list[float | list[float]] = [0.0] * n
     for k, timed, share in zip(caching, timed_options,
-                               _correction(_supported(caching_excess, cached), cached,
-                                           [len(o.cached_nodes) for o in timed_options])):
+                               _correction(caching_excess, cached, [len(o.cached_nodes) for o in timed_options])):
         selective[k] = _cached_node_charges(problem.stages[k].recompute_options, share, timed)
     return add_checkpoint_overheads(problem, [0.0] * n, selective)
-
-
-def _supported(measured: Estimate, predicted: Sequence[float]) -> float:
-    """The seconds a correction moves the ``predicted`` costs (floored at zero, as :func:`_correction` does) to:
-    the ``measured`` median where it is above their sum (what the machinery costs beyond them); where it is below,
-    only as far down as the measurement clearly shows, its median plus two standard errors. At the demo size,
-    GPT-2's caching steps were timed at 47 +/- 48 ms over eager against 47 ms predicted; taken at its median, one
-    such measurement below zero priced every caching option at 0 ms, where the one caching the masks measured
-    77 +/- 30 ms.
-
-    >>> _supported(Estimate(10.0, 1.0), [4.0, 4.0]), _supported(Estimate(-10.0, 8.0), [4.0, 4.0])
-    (10.0, 6.0)
-    >>> _supported(Estimate(2.0, 5.0), [4.0, -1.0])  # cannot show a shortfall
-    4.0
-    """
-    total = sum(max(0.0, p) for p in predicted)
-    if measured.median >= total:
-        return measured.median
-    return min(total, measured.median + 2 * measured.standard_error)
 
 
 def _most_cached(stage) -> int:
@@ -359,20 +339,30 @@ def _charges(costs: Sequence[float], share: float, timed_cost: float) -> list[fl
     return [cost * share / timed_cost for cost in costs]
 
 
-def _correction(measured: float, predicted: Sequence[float], counts: Sequence[int]) -> list[float]:
+def _correction(measured: Estimate, predicted: Sequence[float], counts: Sequence[int]) -> list[float]:
     """Per stage, what to add to the ``predicted`` seconds so that they become costs of at least zero that sum to
-    ``measured``: an excess is the machinery's, spread by ``counts`` (saved tensors for the hooks, nodes for a
-    dispatch mode); a shortfall means the nodes' own times over-count, and shrinks each stage in proportion.
+    what ``measured`` shows: an excess (its median above their sum) is the machinery's, spread by ``counts``
+    (saved tensors for the hooks, nodes for a dispatch mode); a shortfall means the nodes' own times over-count,
+    and shrinks each stage in proportion, but only as far as the measurement clearly shows: to its median plus two
+    standard errors. At the demo size, GPT-2's caching steps were timed at 47 +/- 48 ms over eager against 47 ms
+    predicted; taken at its median, one such measurement below zero priced every caching option at 0 ms, where the
+    one caching the masks measured 77 +/- 30 ms.
 
-    >>> _correction(7.0, [2.0, 2.0], [1, 2])
+    >>> _correction(Estimate(7.0, 0.5), [2.0, 2.0], [1, 2])
     [1.0, 2.0]
-    >>> _correction(2.0, [3.0, 1.0], [0, 5])
+    >>> _correction(Estimate(2.0, 0.0), [3.0, 1.0], [0, 5])
     [-1.5, -0.5]
-    >>> _correction(1.0, [-1.0, 1.0], [1, 1])  # a stage predicted below zero is raised to zero first
+    >>> _correction(Estimate(-2.0, 1.0), [3.0, 1.0], [0, 5])  # shrunk to a sum of -2 + 2 * 1
+    [-3.0, -1.0]
+    >>> _correction(Estimate(2.0, 5.0), [3.0, 1.0], [0, 5])  # a shortfall the noise hides shrinks nothing
+    [0.0, 0.0]
+    >>> _correction(Estimate(1.0, 0.0), [-1.0, 1.0], [1, 1])  # a stage predicted below zero is raised to zero first
     [1.0, 0.0]
     """
     floor = [max(0.0, p) for p in predicted]
-    total = measured - sum(floor)
+    total = measured.median - sum(floor)
+    if total < 0:
+        total = min(0.0, total + 2 * measured.standard_error)
     shares = spread(total, counts if total >= 0 else floor)
     return [f - p + share for f, p, share in zip(floor, predicted, shares)]
 
