@@ -15,7 +15,8 @@ predicts); the model as written is printed beside. The table shows the predicted
 what the allocator reserved, and the predicted and measured recomputation overhead; the verdict
 counts the plans whose peak is within 3% of the prediction and whose overhead is within 20% of the measured one
 (issue 4's targets). A model that fails is reported with its traceback and the others still run: the script is
-meant to be run once, in a short session on a lent GPU.
+meant to be run once, in a short session on a lent GPU. That machine reaches no package registry and has no
+PuLP: ``sh benchmarks/gpu_prepare.sh`` downloads its wheel first, and its header gives the device command.
 """
 
 from __future__ import annotations
