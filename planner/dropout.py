@@ -135,9 +135,23 @@ def apply_mask(x: torch.Tensor, mask: torch.Tensor, p: float) -> torch.Tensor:
     >>> apply_mask(x, torch.tensor([True, False, False]), 0.5)
     tensor([4., -0., nan])
     """
-    if torch.compiler.is_compiling() or x.numel() >= TWO_PASS_ELEMENTS:
+    if _compiling() or x.numel() >= TWO_PASS_ELEMENTS:
         return _MaskApplied.apply(x, mask, p)
     return x.mul(_kept_scale(p, x.dtype)).mul_(mask.view(torch.uint8))
+
+
+def _compiling() -> bool:
+    """Whether ``torch.compile`` (or export) is tracing: ``torch.compiler.is_compiling()``, or make_fx's proxy mode
+    on the stack. Torch 2.13 sets the first for a whole compile session; torch 2.11 (the GPU machines' image) only
+    while Dynamo traces Python, not while AOT autograd traces :func:`apply_mask`'s decomposition or
+    :class:`_MaskApplied`'s backward, whose ``uint8`` view of the mask its inductor then failed to lower
+    ("torch.bool is not supported by torch.iinfo").
+
+    >>> _compiling()
+    False
+    """
+    return torch.compiler.is_compiling() \
+        or torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.PROXY) is not None
 
 
 def _in_one_pass(x: torch.Tensor) -> bool:
@@ -158,7 +172,7 @@ def _masked(x: torch.Tensor, mask: torch.Tensor, p: float) -> torch.Tensor:
     Traced by ``torch.compile``, the mask is converted from booleans, and the backward converts the saved ``bool``
     mask itself, so that the partitioner is handed the mask to keep (left to autograd, it kept the converted float
     mask, four bytes per element)."""
-    if torch.compiler.is_compiling():
+    if _compiling():
         return x * mask.to(x.dtype) * _kept_scale(p, x.dtype)
     noise = mask.view(torch.uint8).to(x.dtype)
     if not _in_one_pass(x):

@@ -94,7 +94,13 @@ def _state(module: torch.nn.Module):
 
 
 def _groups(module: torch.nn.Module) -> list:
-    return list(_state(module)._fsdp_param_groups)
+    """The FSDP parameter groups of ``module``'s ``fully_shard``: a list in torch 2.13, at most one before (the
+    GPU machines' torch 2.11)."""
+    state = _state(module)
+    if hasattr(state, "_fsdp_param_groups"):
+        return list(state._fsdp_param_groups)
+    group = getattr(state, "_fsdp_param_group", None)
+    return [group] if group is not None else []
 
 
 def _fsdp_params(module: torch.nn.Module) -> list:
