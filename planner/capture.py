@@ -16,6 +16,9 @@ True
 
 from __future__ import annotations
 
+import functools
+import inspect
+import operator
 from dataclasses import dataclass
 from typing import Any, Iterator
 
@@ -64,7 +67,11 @@ def module_path(node: fx.Node) -> str:
     return list(stack.values())[-1][0]
 
 
-def _aliases_input(node: fx.Node) -> bool:
+def aliases_input(node: fx.Node) -> bool:
+    """Whether ``node``'s output shares its first argument's storage: a view or in-place ATen op, or an item of a
+    multi-output op's result (``topk(...)[0]``)."""
+    if node.target is operator.getitem:
+        return True
     schema = getattr(node.target, "_schema", None)
     return schema is not None and any(r.alias_info is not None for r in schema.returns)
 
@@ -81,6 +88,16 @@ def mutated_nodes(graph_module: fx.GraphModule) -> frozenset[str]:
     ...         return h + 1
     >>> sorted(mutated_nodes(capture(M(), (torch.randn(3),)).graph_module))
     ['mul', 'relu_']
+
+    Through the items of a multi-output op (Mixtral's router normalises ``topk``'s values in place):
+
+    >>> class Router(torch.nn.Module):
+    ...     def forward(self, x):
+    ...         weights, chosen = torch.topk(x.softmax(-1), 2)
+    ...         weights /= weights.sum(-1, keepdim=True)
+    ...         return weights * chosen
+    >>> sorted(mutated_nodes(capture(Router(), (torch.randn(4, 8),)).graph_module))
+    ['div_', 'getitem', 'getitem_1', 'topk']
     """
     base: dict[fx.Node, fx.Node] = {}
     written: set[fx.Node] = set()
@@ -88,7 +105,7 @@ def mutated_nodes(graph_module: fx.GraphModule) -> frozenset[str]:
         if n.op != "call_function":
             continue
         first = n.args[0] if n.args and isinstance(n.args[0], fx.Node) else None
-        if first is not None and _aliases_input(n):
+        if first is not None and aliases_input(n):
             base[n] = base.get(first, first)
         written.update(base.get(value, value) for value in written_arguments(n) if isinstance(value, fx.Node))
     return frozenset(n.name for n in graph_module.graph.nodes
@@ -144,6 +161,35 @@ def autocast_state() -> tuple:
                  if torch.is_autocast_enabled(device))
 
 
+@functools.cache
+def _takes_use_cache(forward: Any) -> bool:
+    try:
+        return "use_cache" in inspect.signature(forward).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def training_kwargs(model: torch.nn.Module, kwargs: dict) -> dict:
+    """``kwargs`` with ``use_cache=False`` added for a Hugging Face model in training that takes ``use_cache`` and
+    was not given it. Training needs no key/value cache (``gradient_checkpointing_enable`` turns it off too), a
+    cache object in the output does not capture (torch.export knows no ``DynamicCache``), and held through the
+    backward it would keep every layer's keys and values. An explicit ``use_cache`` is left as given.
+
+    >>> import transformers
+    >>> config = transformers.GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=16)
+    >>> gpt2 = transformers.GPT2LMHeadModel(config)
+    >>> training_kwargs(gpt2.train(), {"labels": None}), training_kwargs(gpt2.eval(), {})
+    ({'labels': None, 'use_cache': False}, {})
+    >>> training_kwargs(gpt2.train(), {"use_cache": True}), training_kwargs(torch.nn.Linear(2, 2), {})
+    ({'use_cache': True}, {})
+    """
+    if not model.training or "use_cache" in kwargs or not hasattr(getattr(model, "config", None), "use_cache"):
+        return kwargs
+    if not _takes_use_cache(getattr(model.forward, "__func__", model.forward)):
+        return kwargs
+    return {**kwargs, "use_cache": False}
+
+
 def capture(model: torch.nn.Module, example_args: tuple, example_kwargs: dict | None = None, *,
             replay_dropout: bool = True) -> CapturedGraph:
     """Export ``model`` for training and return its unlifted graph module.
@@ -152,13 +198,16 @@ def capture(model: torch.nn.Module, example_args: tuple, example_kwargs: dict | 
     masks (:func:`planner.dropout.replayable_dropout`; not under autocast). Plans for another device (an analytic
     ``device=``) capture without it, as the model will run there.
 
+    A Hugging Face model in training is captured with ``use_cache=False`` unless told otherwise
+    (:func:`training_kwargs`).
+
     Raises :class:`PlannerError` naming the cause when the model does not capture or the inputs do not fit it.
     """
     if not isinstance(model, torch.nn.Module):
         raise PlannerError(f"expected an nn.Module to plan, got {type(model).__name__}",
                            hint="pass the model itself, e.g. planner.optimize(model, budget, example_inputs=(x,))")
     args = example_args if isinstance(example_args, tuple) else (example_args,)
-    kwargs = dict(example_kwargs or {})
+    kwargs = training_kwargs(model, dict(example_kwargs or {}))
     if not any(isinstance(x, torch.Tensor) for x in tree_flatten((args, kwargs))[0]):
         raise PlannerError("example inputs contain no tensor",
                            hint="pass the inputs of one training step, e.g. example_inputs=(batch,)")

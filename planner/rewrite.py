@@ -36,7 +36,7 @@ import torch.fx.traceback as fx_traceback
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from .capture import written_arguments
+from .capture import aliases_input, written_arguments
 from .dropout import STATE_OP
 from .errors import PlannerError
 from .plan import Plan, PlannedRegion
@@ -66,8 +66,12 @@ def cached_call(target: Any) -> Any:
         mode = getattr(_STATE, "cache_mode", None)
         if mode is None:  # the body run by itself, outside its region's checkpoint
             return target(*args, **kwargs)
+        first = len(mode.cache.entries)
         with mode:
-            return target(*args, **kwargs)
+            out = target(*args, **kwargs)
+        if isinstance(mode, _Recording):
+            mode.cache.watch(first, out)
+        return out
 
     name = getattr(target, "__name__", "op").replace(".", "_")
     planner_cached.__name__ = planner_cached.__qualname__ = f"planner_cached_{name}"
@@ -105,6 +109,30 @@ def _versions(value: Any) -> tuple[int, ...]:
     return ()
 
 
+def _tensors(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for item in value for t in _tensors(item)]
+    return []
+
+
+def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() and a.shape == b.shape
+            and a.stride() == b.stride() and a.storage_offset() == b.storage_offset() and a.dtype == b.dtype)
+
+
+def _watched(value: Any, visible: Sequence[torch.Tensor]) -> Any:
+    """``value`` (a cached op's output, detached below autograd) with each tensor that is one of ``visible`` (the
+    node's outputs as the graph sees them) detached from that one instead: an alias made below autograd has a
+    version counter of its own, one made above shares the output's, so only it sees a later in-place write."""
+    if isinstance(value, torch.Tensor):
+        return next((v.detach() for v in visible if _same_view(v, value)), value)
+    if isinstance(value, (tuple, list)):
+        return type(value)(_watched(v, visible) for v in value)
+    return value
+
+
 class _RegionCache:
     """The outputs one call of a region caches, in the order its forward made them, each with the versions of its
     tensors (a later in-place write to one would make the replay wrong, so the replay checks them). The replay
@@ -116,6 +144,15 @@ class _RegionCache:
 
     def record(self, out: Any) -> None:
         self.entries.append((_detached(out), _versions(out)))
+
+    def watch(self, first: int, out: Any) -> None:
+        """Bind the entries from ``first`` on (what one cached node's op recorded) to the node's outputs ``out``
+        as the graph sees them, so that the replay's version check sees writes the forward makes to them later
+        (``weights /= weights.sum()`` on ``topk``'s values)."""
+        visible = _tensors(out)
+        for i in range(first, len(self.entries)):
+            value = _watched(self.entries[i][0], visible)
+            self.entries[i] = (value, _versions(value))
 
     def replay(self, op) -> Any:
         if self.replayed >= len(self.entries):
@@ -229,18 +266,20 @@ class CheckpointRegion(torch.nn.Module):
 
 
 def _is_hoisted(node: fx.Node) -> bool:
-    """In-place updates of buffers or inputs (``num_batches_tracked.add_(1)``, ``self.steps += 1``) and other
-    mutations nothing reads: run once, outside regions, as the recomputation must not repeat them."""
+    """In-place updates of buffers or inputs, directly or through a view (``num_batches_tracked.add_(1)``,
+    ``self.steps += 1``): run once, outside regions, as the recomputation must not repeat them. A write to a value
+    the region makes stays inside, even when nothing reads the write's result: later nodes read the value it
+    wrote (``shifted[..., 1:] = ids[..., :-1]`` in T5's ``_shift_right``), and the recomputation makes the value
+    again before writing it again."""
     written = written_arguments(node)
     if not written or node.target is torch.ops.aten.batch_norm.default:
         return False
-    return not node.users or any(isinstance(w, fx.Node) and w.op in ("get_attr", "placeholder") for w in written)
+    return any(isinstance(w, fx.Node) and _alias_base(w).op in ("get_attr", "placeholder") for w in written)
 
 
 def _alias_base(node: fx.Node) -> fx.Node:
     """The node whose storage ``node`` shares through views and in-place ops (``h`` for ``h.view(...)``)."""
-    while node.op == "call_function" and node.args and isinstance(node.args[0], fx.Node) \
-            and _returns_view(node.target):
+    while node.op == "call_function" and node.args and isinstance(node.args[0], fx.Node) and aliases_input(node):
         node = node.args[0]
     return node
 

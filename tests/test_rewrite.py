@@ -134,6 +134,46 @@ def test_in_place_op_on_the_previous_stages_output_trains_exactly(op, regions):
                                                        for n in region.body.graph.nodes}
 
 
+class ShiftedInsideABlock(torch.nn.Module):
+    """A block that builds a tensor by writing into slices of it (as T5's ``_shift_right`` builds the decoder's
+    inputs): writes whose results nothing reads, whose effect the ops after them read."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(3))
+
+    def forward(self, x):
+        h = self.blocks[0](x)
+        shifted = h.new_zeros(h.shape)
+        shifted[:, 1:] = h[:, :-1]
+        shifted[:, 0] = 1.0
+        shifted.masked_fill_(shifted > 0.5, 0.5)
+        h = self.blocks[1](shifted + h)
+        return self.blocks[2](h)
+
+
+@pytest.mark.parametrize("regions", [((0, 1),), ((1, 2),), ((0, 2),), ((0, 1), (1, 2))],
+                         ids=["writer", "after", "one", "both"])
+def test_writes_into_a_value_the_region_makes_stay_inside_it(regions):
+    """The slice writes run inside the region, in order, forward and recomputation alike: hoisted out of it,
+    they ran after the ops that read what they write (T5's decoder read all zeros)."""
+    torch.manual_seed(0)
+    model = ShiftedInsideABlock().train()
+    x = torch.randn(4, 8)
+    captured = capture(model, (x,))
+    names = [n.name for n in captured.compute_nodes()]
+    cut = names.index("linear_1")
+    plan = Plan(("blocks.0", "blocks.1"), tuple(PlannedRegion(a, b) for a, b in regions), 0, 0, 0.0, 0.0, "test",
+                SolverStatus.HEURISTIC, stage_nodes=(tuple(names[:cut]), tuple(names[cut:])))
+    planned = apply_plan(captured.graph_module, plan)
+    for region in planned.children():
+        if isinstance(region, CheckpointRegion) and "blocks.0" in region.stage_names:
+            ops = {getattr(n.target, "overloadpacket", None) for n in region.body.graph.nodes}
+            assert {torch.ops.aten.copy_, torch.ops.aten.fill_, torch.ops.aten.masked_fill_} <= ops
+    eager = training_step(model, _loss(x), (x,))
+    assert_same_training(eager, training_step(planned, _loss(x), (x,), owner=model), atol=0)
+
+
 class ReadThenWritten(torch.nn.Module):
     def __init__(self):
         super().__init__()
@@ -197,6 +237,43 @@ def test_a_cached_tensor_written_in_place_after_caching_is_refused():
     assert first.tolist() == [1.0, 1.0] and second.tolist() == [0.0, 0.0] and fresh.entries == [None]
     with pytest.raises(PlannerError, match="more often"):
         fresh.replay(torch.ops.aten.mul.Tensor)
+
+
+class NormalisedTopK(torch.nn.Module):
+    """Mixtral's router: ``topk``'s values are normalised in place after the op made them."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(3))
+
+    def forward(self, x):
+        h = self.blocks[0](x)
+        weights, chosen = torch.topk(self.blocks[1](h).softmax(-1), 2, dim=-1)
+        weights /= weights.sum(-1, keepdim=True)
+        h = h * weights[:, :1] + torch.nn.functional.one_hot(chosen[:, 0], 8).float()
+        return self.blocks[2](h)
+
+
+def test_caching_an_output_the_forward_later_writes_in_place_is_refused_in_the_backward():
+    """A plan that caches ``topk`` anyway (made by hand: the planner's own never does, see
+    :func:`planner.capture.mutated_nodes`) would hand the recomputation the normalised weights: the replay checks
+    the versions of the outputs as the graph saw them and says so, where it used to train on wrong gradients."""
+    torch.manual_seed(0)
+    model = NormalisedTopK().train()
+    x = torch.randn(16, 8)
+    captured = capture(model, (x,))
+    names = [n.name for n in captured.compute_nodes()]
+    cuts = names.index("linear_1"), names.index("linear_2")
+    stage_nodes = (tuple(names[:cuts[0]]), tuple(names[cuts[0]:cuts[1]]), tuple(names[cuts[1]:]))
+
+    def planned(cached):
+        return apply_plan(captured.graph_module, Plan(("b0", "b1", "b2"), (PlannedRegion(1, 2, cached),), 0, 0, 0.0,
+                                                      0.0, "test", SolverStatus.HEURISTIC, stage_nodes=stage_nodes))
+
+    eager = training_step(model, _loss(x), (x,))
+    assert_same_training(eager, training_step(planned(("softmax",)), _loss(x), (x,), owner=model), atol=0)
+    with pytest.raises(PlannerError, match=r"cached \(aten.topk.default\) was written in place"):
+        training_step(planned(("topk",)), _loss(x), (x,), owner=model)
 
 
 def test_an_early_stopped_recomputation_does_not_pass_through_the_bodys_module_call(convnet, monkeypatch):
