@@ -24,8 +24,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from .budget import Budget, format_bytes, parse_budget
-from .capture import (CapturedGraph, autocast_state, capture, input_signature, mutated_nodes, plan_key,
-                      training_kwargs)
+from .capture import CapturedGraph, autocast_state, capture, input_signature, mutated_nodes, plan_key
 from .devices import DeviceSpec, device_spec
 from .meta import device_type_of, target_kernels
 from .timing import AnalyticStopwatch, Estimate, stopwatch_for
@@ -667,7 +666,6 @@ class OptimizedModule(torch.nn.Module):
         if self._parts is not None:
             with parts_planned(self.model, self._parts):
                 return self.model(*args, **kwargs)
-        kwargs = training_kwargs(self.model, kwargs)  # as the graph was captured
         sharded = fsdp.units_signature(self.model, self)
         key = self._key(args, kwargs, sharded)
         if key not in self._planned:

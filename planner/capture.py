@@ -16,6 +16,7 @@ True
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import operator
@@ -169,25 +170,40 @@ def _takes_use_cache(forward: Any) -> bool:
         return False
 
 
-def training_kwargs(model: torch.nn.Module, kwargs: dict) -> dict:
-    """``kwargs`` with ``use_cache=False`` added for a Hugging Face model in training that takes ``use_cache`` and
-    was not given it. Training needs no key/value cache (``gradient_checkpointing_enable`` turns it off too), a
-    cache object in the output does not capture (torch.export knows no ``DynamicCache``), and held through the
-    backward it would keep every layer's keys and values. An explicit ``use_cache`` is left as given.
+def drops_cache(model: torch.nn.Module, kwargs: dict) -> bool:
+    """Whether ``model`` is captured with ``use_cache=False`` bound: a Hugging Face model in training that takes
+    ``use_cache`` and was not given it. Training needs no key/value cache (``gradient_checkpointing_enable`` turns
+    it off too), a cache object in the output does not capture (torch.export knows no ``DynamicCache``), and held
+    through the backward it would keep every layer's keys and values. An explicit ``use_cache`` is left as given.
 
     >>> import transformers
-    >>> config = transformers.GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=16)
-    >>> gpt2 = transformers.GPT2LMHeadModel(config)
-    >>> training_kwargs(gpt2.train(), {"labels": None}), training_kwargs(gpt2.eval(), {})
-    ({'labels': None, 'use_cache': False}, {})
-    >>> training_kwargs(gpt2.train(), {"use_cache": True}), training_kwargs(torch.nn.Linear(2, 2), {})
-    ({'use_cache': True}, {})
+    >>> gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=16))
+    >>> drops_cache(gpt2.train(), {"labels": None}), drops_cache(gpt2.eval(), {})
+    (True, False)
+    >>> drops_cache(gpt2.train(), {"use_cache": True}), drops_cache(torch.nn.Linear(2, 2), {})
+    (False, False)
     """
-    if not model.training or "use_cache" in kwargs or not hasattr(getattr(model, "config", None), "use_cache"):
-        return kwargs
-    if not _takes_use_cache(getattr(model.forward, "__func__", model.forward)):
-        return kwargs
-    return {**kwargs, "use_cache": False}
+    if not model.training or "use_cache" in kwargs or not getattr(getattr(model, "config", None), "use_cache", False):
+        return False
+    return _takes_use_cache(getattr(model.forward, "__func__", model.forward))
+
+
+@contextlib.contextmanager
+def _cache_dropped(model: torch.nn.Module, kwargs: dict) -> Iterator[None]:
+    """While exporting, ``model.forward`` with ``use_cache=False`` bound when :func:`drops_cache`: the graph
+    computes what the model does without a cache, and is called with the caller's own arguments."""
+    if not drops_cache(model, kwargs):
+        yield
+        return
+    own = model.__dict__.get("forward")  # an instance attribute already (accelerate's hooks), or None
+    model.forward = functools.partial(model.forward, use_cache=False)
+    try:
+        yield
+    finally:
+        if own is None:
+            del model.forward
+        else:
+            model.forward = own
 
 
 def capture(model: torch.nn.Module, example_args: tuple, example_kwargs: dict | None = None, *,
@@ -199,7 +215,7 @@ def capture(model: torch.nn.Module, example_args: tuple, example_kwargs: dict | 
     ``device=``) capture without it, as the model will run there.
 
     A Hugging Face model in training is captured with ``use_cache=False`` unless told otherwise
-    (:func:`training_kwargs`).
+    (:func:`drops_cache`).
 
     Raises :class:`PlannerError` naming the cause when the model does not capture or the inputs do not fit it.
     """
@@ -207,13 +223,14 @@ def capture(model: torch.nn.Module, example_args: tuple, example_kwargs: dict | 
         raise PlannerError(f"expected an nn.Module to plan, got {type(model).__name__}",
                            hint="pass the model itself, e.g. planner.optimize(model, budget, example_inputs=(x,))")
     args = example_args if isinstance(example_args, tuple) else (example_args,)
-    kwargs = training_kwargs(model, dict(example_kwargs or {}))
+    kwargs = dict(example_kwargs or {})
     if not any(isinstance(x, torch.Tensor) for x in tree_flatten((args, kwargs))[0]):
         raise PlannerError("example inputs contain no tensor",
                            hint="pass the inputs of one training step, e.g. example_inputs=(batch,)")
     was_training = model.training
     try:
-        exported = torch.export.export(model, args, kwargs, strict=False)
+        with _cache_dropped(model, kwargs):
+            exported = torch.export.export(model, args, kwargs, strict=False)
     except Exception as exc:  # export raises many types; all mean the same to the user
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise PlannerError(
