@@ -266,15 +266,16 @@ class CheckpointRegion(torch.nn.Module):
 
 
 def _is_hoisted(node: fx.Node) -> bool:
-    """In-place updates of buffers or inputs, directly or through a view (``num_batches_tracked.add_(1)``,
-    ``self.steps += 1``): run once, outside regions, as the recomputation must not repeat them. A write to a value
-    the region makes stays inside, even when nothing reads the write's result: later nodes read the value it
-    wrote (``shifted[..., 1:] = ids[..., :-1]`` in T5's ``_shift_right``), and the recomputation makes the value
+    """In-place updates of buffers or inputs (``num_batches_tracked.add_(1)``, ``self.steps += 1``): run once,
+    outside regions, as the recomputation must not repeat them (later readers read the update's own node, which
+    the region then takes as an input). A write through a view is :func:`_writes_region_input`'s. A write to a
+    value the region makes stays inside, even when nothing reads the write's result: later nodes read the value
+    it wrote (``shifted[..., 1:] = ids[..., :-1]`` in T5's ``_shift_right``), and the recomputation makes the value
     again before writing it again."""
     written = written_arguments(node)
     if not written or node.target is torch.ops.aten.batch_norm.default:
         return False
-    return any(isinstance(w, fx.Node) and _alias_base(w).op in ("get_attr", "placeholder") for w in written)
+    return any(isinstance(w, fx.Node) and w.op in ("get_attr", "placeholder") for w in written)
 
 
 def _alias_base(node: fx.Node) -> fx.Node:
