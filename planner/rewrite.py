@@ -302,6 +302,14 @@ def _writes_region_input(node: fx.Node, inside: AbstractSet[fx.Node], bases_read
         return False
     if inside.isdisjoint(node.all_input_nodes) and bases_read.isdisjoint(_alias_base(w) for w in written):
         return True
+    base = _alias_base(written[0])
+    if base.op in ("placeholder", "get_attr"):
+        what = "the input" if base.op == "placeholder" else "the attribute"
+        raise PlannerError(f"a checkpoint region would write {what} {base.name} in place through a view "
+                           f"({node.name} into {written[0].name}): "
+                           f"the region reads it first, so the write cannot run outside it, and its recomputation "
+                           f"would write it twice",
+                           hint="write into a copy in forward (x = x.clone() before the write)")
     raise PlannerError(f"a checkpoint region would write {written[0].name} in place ({node.name}), a value made "
                        f"before it, after reading it: its recomputation would write it twice",
                        hint="use stages from planner's own partition, which never cut between a value and an "

@@ -227,6 +227,8 @@ def test_hugging_face_architectures_train_exactly_at_their_smallest_peak(name):
     is predicted within 3% and trains like its captured graph bit for bit, dropout included. The captured graph
     matches eager to the last bits (1e-8 here: under torch.export Hugging Face's attention takes other paths,
     such as another SDPA call for grouped-query attention), recomputed or not."""
+    if name == "bart" and torch.torch_version.TorchVersion(torch.__version__) < (2, 13):
+        pytest.skip("torch 2.11's export stops at a data-dependent guard in BART (Eq(u0, 1)): it is planned in parts")
     build, kwargs = ARCHITECTURES[name]
     model = build()
     assert getattr(model.config, "use_cache", None) is not False

@@ -239,6 +239,30 @@ def test_a_cached_tensor_written_in_place_after_caching_is_refused():
         fresh.replay(torch.ops.aten.mul.Tensor)
 
 
+class WritesItsInput(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(2))
+
+    def forward(self, x):
+        x[:, 0] = 0.5
+        return self.blocks[1](self.blocks[0](x))
+
+
+def test_a_region_that_writes_the_models_input_through_a_view_is_refused_with_the_way_out():
+    """``x[:, 0] = 0.5`` in the first stage: inside the region its recomputation would write ``x`` again, and
+    moved out of it the write would come after the region's view of ``x``. Hoisted past the region, as writes
+    nothing reads once were, the block read ``x`` unwritten."""
+    model, x = WritesItsInput(), torch.randn(4, 8)
+    captured = capture(model, (x.clone(),))
+    names = [n.name for n in captured.compute_nodes()]
+    cut = names.index("linear_1")
+    plan = Plan(("blocks.0", "blocks.1"), (PlannedRegion(0, 1),), 0, 0, 0.0, 0.0, "test", SolverStatus.HEURISTIC,
+                stage_nodes=(tuple(names[:cut]), tuple(names[cut:])))
+    with pytest.raises(PlannerError, match=r"write the input x in place through a view.*x = x.clone\(\)"):
+        apply_plan(captured.graph_module, plan)
+
+
 class NormalisedTopK(torch.nn.Module):
     """Mixtral's router: ``topk``'s values are normalised in place after the op made them."""
 
