@@ -222,7 +222,7 @@ ARCHITECTURES = {  # default configs otherwise: dropout on where the model has i
 
 @pytest.mark.parametrize("name", ARCHITECTURES)
 def test_hugging_face_architectures_train_exactly_at_their_smallest_peak(name):
-    """Each plans as built (``use_cache`` on in its config: the module turns it off for training, as
+    """Each plans as built (``use_cache`` on where the config has it: capture turns it off for training, as
     ``gradient_checkpointing_enable`` does), at the smallest peak any plan reaches, and its measured step fits,
     is predicted within 3% and trains like its captured graph bit for bit, dropout included. The captured graph
     matches eager to the last bits (1e-8 here: under torch.export Hugging Face's attention takes other paths,
