@@ -68,13 +68,16 @@ def module_path(node: fx.Node) -> str:
     return list(stack.values())[-1][0]
 
 
+def returns_alias(op: Any) -> bool:
+    """Whether ATen ``op``'s schema says it returns an alias of an input: a view or an in-place op."""
+    schema = getattr(op, "_schema", None)
+    return schema is not None and any(r.alias_info is not None for r in schema.returns)
+
+
 def aliases_input(node: fx.Node) -> bool:
     """Whether ``node``'s output shares its first argument's storage: a view or in-place ATen op, or an item of a
     multi-output op's result (``topk(...)[0]``)."""
-    if node.target is operator.getitem:
-        return True
-    schema = getattr(node.target, "_schema", None)
-    return schema is not None and any(r.alias_info is not None for r in schema.returns)
+    return node.target is operator.getitem or returns_alias(node.target)
 
 
 def mutated_nodes(graph_module: fx.GraphModule) -> frozenset[str]:

@@ -36,7 +36,7 @@ import torch.fx.traceback as fx_traceback
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from .capture import aliases_input, written_arguments
+from .capture import aliases_input, returns_alias, written_arguments
 from .dropout import STATE_OP
 from .errors import PlannerError
 from .plan import Plan, PlannedRegion
@@ -78,17 +78,12 @@ def cached_call(target: Any) -> Any:
     return planner_cached
 
 
-def _returns_view(op) -> bool:
-    schema = getattr(op, "_schema", None)
-    return schema is not None and any(r.alias_info is not None for r in schema.returns)
-
-
 @functools.cache
 def _is_cached(op) -> bool:
     """Whether a cached node's ATen op keeps its output: views (and in-place ops, which return their input) are
     free to recompute, and caching one would pin its base; ``detach`` runs a different number of times in the
     recomputation."""
-    return not _returns_view(op) and op is not torch.ops.aten.detach.default
+    return not returns_alias(op) and op is not torch.ops.aten.detach.default
 
 
 def _detached(value: Any) -> Any:
@@ -101,20 +96,16 @@ def _detached(value: Any) -> Any:
     return value
 
 
-def _versions(value: Any) -> tuple[int, ...]:
-    if isinstance(value, torch.Tensor):
-        return (value._version,)
-    if isinstance(value, (tuple, list)):
-        return tuple(v for item in value for v in _versions(item))
-    return ()
-
-
 def _tensors(value: Any) -> list[torch.Tensor]:
     if isinstance(value, torch.Tensor):
         return [value]
     if isinstance(value, (tuple, list)):
         return [t for item in value for t in _tensors(item)]
     return []
+
+
+def _versions(value: Any) -> tuple[int, ...]:
+    return tuple(t._version for t in _tensors(value))
 
 
 def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
