@@ -24,7 +24,8 @@ from typing import Any, Callable, Sequence
 import torch
 
 from .budget import Budget, format_bytes, parse_budget
-from .capture import CapturedGraph, autocast_state, capture, input_signature, mutated_nodes, plan_key
+from .capture import (CapturedGraph, autocast_state, capture, input_signature, is_layout_copy, mutated_nodes,
+                      placed_stage_nodes, plan_key)
 from .devices import DeviceSpec, device_spec
 from .meta import device_type_of, target_kernels
 from .timing import AnalyticStopwatch, Estimate, stopwatch_for
@@ -109,10 +110,14 @@ def fingerprint(captured: CapturedGraph, *, as_device: str | None = None) -> str
     """A short hash of the graph's nodes, the parameters' shapes and the input signature.
 
     ``as_device`` hashes the inputs as if they were on that device type: a plan made on the meta device
-    (``as_device="meta"``) matches the same model and shapes on a GPU.
+    (``as_device="meta"``) matches the same model and shapes on a GPU. Layout copies are left out
+    (:func:`~planner.capture.is_layout_copy`): which ones a graph makes depends on the strides its device's kernels
+    return, and :func:`apply` places them (:func:`~planner.capture.placed_stage_nodes`).
     """
     digest = hashlib.sha256()
     for n in captured.graph_module.graph.nodes:
+        if is_layout_copy(n):
+            continue
         digest.update(f"{n.op}|{n.name}|{n.target}\n".encode())
     for name, p in captured.graph_module.named_parameters():
         digest.update(f"{name}|{tuple(p.shape)}|{p.dtype}\n".encode())
@@ -781,6 +786,9 @@ def apply(model: torch.nn.Module, plan: Plan, example_inputs: Any = None, *,
         raise PlannerError(f"the plan was made for fingerprint {plan.fingerprint}, but this model with these "
                            f"inputs has {found}: the model's graph, parameter shapes or input shapes differ",
                            hint="re-plan with planner.plan(model, budget, example_inputs)")
+    if plan.stage_nodes:  # the plan's stages, with the layout copies this graph makes where its device put them
+        plan = dataclasses.replace(plan, stage_nodes=placed_stage_nodes(captured.graph_module.graph,
+                                                                        plan.stage_nodes))
     optimized = OptimizedModule(model, _replannable_budget(plan),
                                 planner_options=dict(loss_fn=None, optimizer=None, solver=plan.solver,
                                                      max_stages=64, profile_repeats=3, solver_options=None,

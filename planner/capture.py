@@ -21,7 +21,7 @@ import functools
 import inspect
 import operator
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 import torch
 import torch.fx as fx
@@ -78,6 +78,55 @@ def aliases_input(node: fx.Node) -> bool:
     """Whether ``node``'s output shares its first argument's storage: a view or in-place ATen op, or an item of a
     multi-output op's result (``topk(...)[0]``)."""
     return node.target is operator.getitem or returns_alias(node.target)
+
+
+def is_layout_copy(node: fx.Node) -> bool:
+    """Whether ``node`` is a ``.contiguous()`` that copied: export records one only where the input's strides were
+    not contiguous, and those depend on the kernel that made it (meta's attention math path returns a contiguous
+    output where fused and CPU flash attention return the query's layout), so graphs of one model on two devices
+    differ by such nodes and by nothing else."""
+    return node.op == "call_function" and node.target is torch.ops.aten.contiguous.default
+
+
+def name_layout_copies(graph_module: fx.GraphModule) -> fx.GraphModule:
+    """Name each :func:`is_layout_copy` node after its input (``transpose_3_contiguous``), so that it has the same
+    name in every graph that makes it, whichever other copies a device adds or leaves out; returns the module.
+
+    >>> class Heads(torch.nn.Module):
+    ...     def forward(self, x):
+    ...         return x.transpose(0, 1).contiguous().view(-1)
+    >>> [n.name for n in capture(Heads(), (torch.randn(2, 3),)).compute_nodes()]
+    ['transpose', 'transpose_contiguous', 'view']
+    """
+    for n in graph_module.graph.nodes:
+        if is_layout_copy(n) and isinstance(n.args[0], fx.Node):
+            n._rename(f"{n.args[0].name}_contiguous")
+    graph_module.recompile()
+    return graph_module
+
+
+def placed_stage_nodes(graph: fx.Graph, stage_nodes: Sequence[Sequence[str]]) -> tuple[tuple[str, ...], ...]:
+    """``stage_nodes`` (node names per stage, of the graph a plan was made on) for ``graph``, a capture of the same
+    model that may make other layout copies: a copy only ``graph`` makes joins the stage of its input (else of its
+    first user), names ``graph`` lacks are dropped, and each stage lists its nodes in ``graph``'s order.
+
+    >>> class Heads(torch.nn.Module):
+    ...     def forward(self, x):
+    ...         return x.transpose(0, 1).contiguous().view(-1)
+    >>> graph = capture(Heads(), (torch.randn(2, 3),)).graph_module.graph
+    >>> placed_stage_nodes(graph, [["transpose"], ["view", "other_contiguous"]])
+    (('transpose', 'transpose_contiguous'), ('view',))
+    """
+    stage_of = {name: k for k, names in enumerate(stage_nodes) for name in names}
+    placed: list[list[str]] = [[] for _ in stage_nodes]
+    for n in graph.nodes:
+        if n.name not in stage_of and is_layout_copy(n):
+            near = [m.name for m in (*n.all_input_nodes, *n.users) if m.name in stage_of]
+            if near:
+                stage_of[n.name] = stage_of[near[0]]
+        if n.name in stage_of:
+            placed[stage_of[n.name]].append(n.name)
+    return tuple(tuple(names) for names in placed)
 
 
 def mutated_nodes(graph_module: fx.GraphModule) -> frozenset[str]:
@@ -246,6 +295,7 @@ def capture(model: torch.nn.Module, example_args: tuple, example_kwargs: dict | 
     graph_module, autocast = exported.module(), autocast_state()
     if replay_dropout and not autocast:  # under autocast the attention's math path casts its inputs: one op
         replayable_dropout(graph_module)
+    name_layout_copies(graph_module)
     return CapturedGraph(graph_module, args, kwargs, input_signature(args, kwargs), autocast)
 
 

@@ -34,6 +34,7 @@ True
 
 from __future__ import annotations
 
+import functools
 import math
 import platform
 import struct
@@ -213,9 +214,8 @@ def _(like, p, state):
     return torch.empty_like(like, dtype=torch.bool)
 
 
-def _draws_through_a_buffer() -> bool:
-    """Whether ``bernoulli_`` on the CPU draws into a 4-byte integer buffer and converts: ATen takes MKL's path only
-    where it has MKL and runs on an Intel CPU; elsewhere it draws into the tensor itself."""
+def _intel_with_mkl() -> bool:
+    """Whether this build has MKL and ``/proc/cpuinfo`` names an Intel CPU: where ATen would take MKL's path."""
     if not torch.backends.mkl.is_available():
         return False
     try:
@@ -225,12 +225,31 @@ def _draws_through_a_buffer() -> bool:
         return "intel" in platform.processor().lower()
 
 
-_DRAW_BUFFER_BYTES = 4 if _draws_through_a_buffer() else 0
+@functools.cache
+def _measured_draw_buffer_bytes() -> int:
+    from .meter import allocator_peak_bytes  # the meter imports this module
+    mask = torch.empty(4096, dtype=torch.bool)
+    return allocator_peak_bytes(lambda: mask.bernoulli_(0.5)) // mask.numel()
+
+
+def draw_buffer_bytes() -> int:
+    """Bytes per element that ``bernoulli_`` on the CPU holds beside a ``bool`` mask while it draws: 4 where ATen
+    takes MKL's path (MKL, and a CPU that cpuinfo names Intel), which draws into an integer buffer and converts;
+    0 where it draws into the mask itself. Measured once from the allocator's events, as the choice is ATen's
+    (under a virtual machine cpuinfo may not name the CPU that ``/proc/cpuinfo`` does); while a profiler already
+    runs, guessed from ``/proc/cpuinfo``.
+
+    >>> draw_buffer_bytes() in (0, 4)
+    True
+    """
+    if torch.autograd._profiler_enabled() and _measured_draw_buffer_bytes.cache_info().currsize == 0:
+        return 4 if _intel_with_mkl() else 0
+    return _measured_draw_buffer_bytes()
 
 
 def workspace_bytes(func: Any, args: tuple) -> int:
     """The most bytes an op of this module holds at once while it runs, where a dispatch mode cannot see inside
-    it (0 for any other op): :func:`dropout_mask` keeps one byte per element (and with MKL on an Intel CPU first
+    it (0 for any other op): :func:`dropout_mask` keeps one byte per element (and where ATen draws through MKL first
     draws into a 4-byte integer buffer). :func:`apply_mask` reaches dispatch modes as the ATen ops it runs (see
     :func:`planner.meter.converted_operand_bytes` for what its product holds).
 
@@ -241,7 +260,7 @@ def workspace_bytes(func: Any, args: tuple) -> int:
     0
     """
     if func is MASK_OP:
-        return args[0].numel() * (_DRAW_BUFFER_BYTES + 1)
+        return args[0].numel() * (draw_buffer_bytes() + 1)
     return 0
 
 

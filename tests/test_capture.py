@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from planner.capture import capture, flat_call_args, input_signature, module_path
+from planner.capture import capture, flat_call_args, input_signature, module_path, placed_stage_nodes
 from planner.errors import PlannerError
 
 
@@ -70,3 +70,20 @@ def test_input_signature_tells_shapes_and_values_apart():
     assert a != input_signature((torch.zeros(2, 4),), {"flag": True})
     assert a != input_signature((torch.zeros(2, 3),), {"flag": False})
     assert a != input_signature((torch.zeros(2, 3, dtype=torch.float64),), {"flag": True})
+
+
+class _CopiesItsInput(torch.nn.Module):
+    def forward(self, x):
+        return (x.contiguous() * 2).transpose(0, 1).contiguous().sum()
+
+
+def test_layout_copies_are_named_after_their_input_and_placed_where_another_graph_would_not_make_them():
+    made = capture(_CopiesItsInput(), (torch.randn(3, 2).t(),)).graph_module.graph  # an input in another layout
+    assert [n.name for n in made.nodes if n.op == "call_function"] == [
+        "x_contiguous", "mul", "transpose", "transpose_contiguous", "sum_1"]
+    plain = capture(_CopiesItsInput(), (torch.randn(2, 3),)).graph_module.graph  # .contiguous() copies nothing
+    assert [n.name for n in plain.nodes if n.op == "call_function"] == [
+        "mul", "transpose", "transpose_contiguous", "sum_1"]
+    # stages from a graph that made no copies: each copy joins the stage of its input, or of its first user
+    assert placed_stage_nodes(made, [["mul"], ["transpose"], ["sum_1"]]) == (
+        ("x_contiguous", "mul"), ("transpose", "transpose_contiguous"), ("sum_1",))

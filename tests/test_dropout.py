@@ -96,8 +96,8 @@ def test_a_mask_replays_from_its_state_whatever_was_drawn_since():
 
 def test_what_the_ops_hold_out_of_the_meters_sight_is_what_the_allocator_holds():
     """Both meters add what a dropout op allocates inside itself; the CPU allocator (the profiler's memory events)
-    sees it all: the mask's draw (and its integer buffer, on an Intel CPU with MKL), and the apply's product, which
-    holds the mask converted to floats beside its output (in two passes, for a large tensor, the output is written
+    sees it all: the mask's draw (and its integer buffer, where ATen draws through MKL), and the apply's product,
+    which holds the mask converted to floats beside its output (in two passes, for a large tensor, the output is written
     over it). Not counted: the generator's state a draw compares with its own (5 KiB, gone before the draw, smaller
     than it here)."""
     x = torch.randn(16384)
