@@ -192,6 +192,31 @@ def test_coarse_rounding_is_refined_until_the_gap_closes():
     assert refined.lower_bound_seconds >= coarse.lower_bound_seconds
 
 
+def test_a_refinement_round_searches_for_plans_only_when_its_finer_bound_rose(monkeypatch):
+    """On a DAG the relaxation, not the rounding, can hold the gap open: a round whose four times finer bound is no
+    higher spends no time searching for plans at those steps (Llama-7B: 43 s to a proven optimum, not 59 s)."""
+    problem = random_dag(8, 3, unit=1_000_003)
+    budget = (simulate(problem, Schedule()).peak_bytes + simulate(problem, Schedule.uniform(8)).peak_bytes) // 2
+    bounds, searched = {}, set()
+    relaxed, within = dp_module._relaxed_optimum, dp_module._within_budget
+
+    def bound(problem, budget, search, ceiling):
+        found = relaxed(problem, budget, search, ceiling)
+        bounds[search.buckets] = found[0]
+        return found
+
+    def plans(problem, search, *args):
+        searched.add(search.buckets)
+        return within(problem, search, *args)
+
+    monkeypatch.setattr(dp_module, "_relaxed_optimum", bound)
+    monkeypatch.setattr(dp_module, "_within_budget", plans)
+    plan = solve_dp(problem, budget, buckets=50, refinements=2)
+    assert plan.gap > 0.01 and sorted(bounds) == [50, 200, 800]  # the gap stays open: every round runs
+    assert bounds[200] <= bounds[50] and searched == {50}  # no finer bound rose: no finer search
+    assert plan.predicted_peak_bytes <= budget
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_fitted_steps_keep_plans_within_budget_and_bounds_below_the_optimum(seed):
     """Steps fitted to the program's byte counts (not a power of two) round plans' bytes up and bounds' down."""
