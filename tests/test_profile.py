@@ -26,7 +26,7 @@ def test_nodes_record_allocations_reads_saved_tensors_and_flops():
     assert linear.param_reads == {"0.weight", "0.bias"}
     assert relu.saved == {relu.created[0].key}  # relu saves its output
     assert relu.created[0].key in dropout.reads and relu.created[0].key in mask.reads
-    # the mask keeps a byte per element (on an Intel CPU with MKL, the integers it draws first are its busiest
+    # the mask keeps a byte per element (where ATen draws through MKL, the integers it draws first are its busiest
     # moment); applying it scales x, then masks that in place, the mask converted to floats beside it
     assert mask.created_bytes == 32 * 64 and mask.busiest_bytes == 32 * 64 * (1 + draw_buffer_bytes())
     assert dropout.saved == {mask.created[0].key}  # applying the mask saves the mask, not float noise
@@ -143,7 +143,7 @@ def test_nodes_record_what_they_write_in_place_and_their_busiest_moment():
     assert similarity.busiest_bytes > lasting  # temporaries (the norms) lived and died inside the composite op
     assert similarity.busiest_bytes <= similarity.created_bytes  # never more than everything it made at once
     mask = profile.node("scaled_dot_product_attention_mask")  # one byte per element kept (integers drawn first
-    assert mask.busiest_bytes == (1 + draw_buffer_bytes()) * mask.created_bytes  # (an integer buffer where ATen draws through MKL)
+    assert mask.busiest_bytes == (1 + draw_buffer_bytes()) * mask.created_bytes  # where ATen draws through MKL)
     assert mask.created_bytes == 2 * 4 * 8 * 8
     dropped = profile.node("scaled_dot_product_attention_dropped")  # its output and the mask as floats
     assert dropped.busiest_bytes == 2 * dropped.created_bytes == 2 * 4 * 2 * 4 * 8 * 8

@@ -1464,7 +1464,8 @@ def solve_dp(problem: Problem, budget_bytes: int, *, buckets: int = 2000, front_
                 schedule, seconds = relaxed_plan, recompute_seconds(problem, relaxed_plan)
             if lower is not None and (relative_gap(seconds, lower) or 0.0) <= target_gap:
                 break
-        if longest is not None and (not round_ or not bound or _higher_bound(coarser, lower) != coarser):
+        rose = lower != coarser  # lower keeps the higher bound: it moves only when this round's finer one is higher
+        if longest is not None and (not round_ or not bound or rose):
             deepened = _deepening(problem, search, seconds, longest, level_seconds=level_seconds)
             exact, longest, level_seconds = deepened.exact, deepened.longest, deepened.level_seconds
             if deepened.schedule is not None:
