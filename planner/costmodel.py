@@ -429,11 +429,7 @@ def build_problem(profile: GraphProfile, stages: Sequence[StageSpec], *, random_
     grads = Counter()
     for param, stage in grad_stage.items():
         grads[stage] += profile.param_grad_bytes.get(param, 0)
-    output_grads = Counter()
-    for n in profile.nodes:
-        for record in n.created:
-            if n.in_backward and record.requires_grad and readers.get(record.key, set()) - {stage_of[n.name]}:
-                output_grads[stage_of[n.name]] += record.nbytes
+    output_grads = _crossing_gradient_bytes(profile, stage_of, readers)
     makes_output = _stages_making_outputs(profile, stage_of)
     built = []
     for i, spec in enumerate(stages):
@@ -446,6 +442,25 @@ def build_problem(profile: GraphProfile, stages: Sequence[StageSpec], *, random_
     last_use = {key: max(readers.get(key, set()) | savers.get(key, set())) for key in readers.keys() | savers.keys()}
     return _with_caching_workspaces(problem, [[by_name[x] for x in spec.nodes] for spec in stages],
                                     lambda key, k: last_use.get(key, -1) > k or key in profile.output_keys)
+
+
+def _crossing_gradient_bytes(profile: GraphProfile, stage_of: dict[str, int],
+                             readers: dict[int, set[int]]) -> Counter:
+    """Per stage ``k``: bytes of the activation gradients alive when its backward starts, before it runs: those of
+    every tensor made by stage ``k`` or an earlier one that a later stage reads (its gradient is made by the
+    backward of its last reader, summed by the others', and consumed by its maker's). On a chain these are the
+    gradients of ``k``'s own outputs; T5's position bias, made in the first block and read by every other, or an
+    encoder's output, read by every cross-attention, count at every stage in between."""
+    crossing = Counter()
+    for n in profile.nodes:
+        if not n.in_backward:
+            continue
+        producer = stage_of[n.name]
+        for record in n.created:
+            if record.requires_grad:
+                for k in range(producer, max(readers.get(record.key, set()), default=producer)):
+                    crossing[k] += record.nbytes
+    return crossing
 
 
 def _with_caching_workspaces(problem: Problem, stage_nodes: Sequence[Sequence[NodeProfile]],
@@ -465,8 +480,36 @@ def _with_caching_workspaces(problem: Problem, stage_nodes: Sequence[Sequence[No
             o, forward_bytes=checkpointed_forward_peak(nodes, o.cached_nodes, outlives_k),
             workspace_bytes=caching_workspace(nodes, own[k], o.cached_nodes, outlives_k) if o.cached_nodes else None)
             for o in stage.recompute_options)
+        stage = dataclasses.replace(stage, stopped_rerun_bytes=stopped_rerun_peak(nodes, outlives_k))
         stages.append(dataclasses.replace(stage, options=options) if stage.options else stage)
     return dataclasses.replace(problem, stages=tuple(stages))
+
+
+def stopped_rerun_peak(nodes: Sequence[NodeProfile], outlives: Callable[[int], bool]) -> int | None:
+    """The most bytes of storages made by ``nodes`` (one stage, in order) alive at once while the stage re-runs as
+    the last of a checkpoint region that caches nothing: non-reentrant checkpoint stops the re-run after the op
+    that saves the last tensor the backward needs (``early_stop``), and until then what the stage made is alive
+    when a node saves it, when a later node of the stage still reads it, or when ``outlives(key)`` (the body
+    returns it); each node adds what it frees again before it returns. Of the node it stops at, only what it had
+    made when it saved its last tensor counts: autograd saves an op's inputs before the op runs (a linear layer
+    stops before making its output), its outputs after. None when the stage saves nothing.
+
+    >>> from planner.profile import StorageRecord
+    >>> def node(name, made, reads=(), saved=()):
+    ...     records = tuple(StorageRecord(key, size, True) for key, size in made)
+    ...     return NodeProfile(name, "", 1.0, 0, records, frozenset(reads), frozenset(saved), frozenset(), False)
+    >>> nodes = [node("mm", [(1, 100)]), node("relu", [(2, 100)], {1}, {2}), node("add", [(3, 100)], {1, 2})]
+    >>> stopped_rerun_peak(nodes, lambda key: key == 3)   # stops after relu, 1 still to be read by add
+    200
+    """
+    stop = max((i for i, n in enumerate(nodes) if n.in_backward and (n.saved or n.saves_any)), default=None)
+    if stop is None:
+        return None
+    read_later = {key for n in nodes[stop:] for key in n.reads}
+    last = nodes[stop]
+    if last.made_by_last_save is not None:
+        last = dataclasses.replace(last, created=last.created[:last.made_by_last_save], busiest_bytes=None)
+    return replayed_recompute_peak([*nodes[:stop], last], frozenset(), lambda key: outlives(key) or key in read_later)
 
 
 def checkpointed_forward_peak(nodes: Sequence[NodeProfile], cached: frozenset[str],

@@ -13,8 +13,11 @@ out (`_spelled_attention`), so the mask inside it is a node too.
 Exactness: the rewritten graph computes what eager computes (``at::dropout``: ``empty_like(x).bernoulli_(1-p)``,
 divided by ``1-p``, times ``x``), bit for bit: same numbers, same gradients, same generator state after. Each mask
 node first takes the generator's state (:func:`rng_state`, a node of its own) and draws from it, so a
-recomputation that re-draws one mask while keeping another still draws the same numbers, and moves no generator; a
-region that caches anything keeps every such state (5 KiB each), see :mod:`planner.rewrite`.
+recomputation that re-draws one mask while keeping another still draws the same numbers. A region that keeps a mask
+keeps its state too (5 KiB), overwritten once the mask is drawn with the generator's state after the draw
+(:func:`write_state_after_draw`); the mask's replay sets the generator to it (:func:`advance_to`), as the draw moved
+it, so a later mask of the region whose state is recomputed reads the state it read in the forward. See
+:mod:`planner.rewrite`.
 
 The pass runs on CPU graphs captured outside autocast (CUDA's fused dropout draws differently, and is cheap).
 
@@ -67,6 +70,33 @@ def _generator_state(device: torch.device) -> torch.Tensor:
 def rng_state(like: torch.Tensor) -> torch.Tensor:
     """The state of the random generator of ``like``'s device, now (a copy)."""
     return _generator_state(like.device)
+
+
+def advance_to(state: torch.Tensor, like: torch.Tensor) -> None:
+    """Set the random generator of ``like``'s device to ``state``: where a kept mask's replay leaves it, as its draw
+    in the forward did (see :func:`write_state_after_draw`)."""
+    if like.device.type == "cuda":
+        torch.cuda.set_rng_state(state, like.device)
+    else:
+        torch.set_rng_state(state)
+
+
+def write_state_after_draw(state: torch.Tensor, like: torch.Tensor) -> None:
+    """Overwrite ``state`` (a kept mask's generator state, which its replay does not draw from) with the state of
+    ``like``'s generator now, just after the mask was drawn: the replay then moves the generator on as the draw
+    did, so that a later mask of the region whose state is recomputed reads the state it read in the forward.
+    The generator's state is read into a temporary copy first (5 KiB on the CPU, outside any dispatch mode's
+    sight, freed at once: as :func:`dropout_mask` compares states).
+
+    >>> x = torch.zeros(4)
+    >>> state = rng_state(x)
+    >>> mask = dropout_mask(x, 0.5, state)
+    >>> write_state_after_draw(state, x)
+    >>> torch.equal(state, torch.get_rng_state())
+    True
+    """
+    with torch.no_grad():
+        state.copy_(_generator_state(like.device))
 
 
 def dropout_mask(like: torch.Tensor, p: float, state: torch.Tensor) -> torch.Tensor:

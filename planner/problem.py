@@ -28,10 +28,11 @@ carries. The rules, for a tensor ``t`` produced by stage ``p``:
   no copy if cached); each copy lives until the backward of the first stage in the region that saves it. While
   stage ``j`` of the region re-runs, alive are what is alive when ``b``'s backward starts, the caches not yet
   consumed (a cached tensor that no stage saves and no later stage reads is consumed by its own stage's re-run),
-  the gradients of ``b``'s outputs, what the region's earlier stages *keep* (their tensors that are saved, read by a
-  later stage or model outputs, unless cached) and ``j``'s own working set: what it keeps plus its *recompute
-  workspace* with its option. A region that caches nothing stops after the last tensor it saves, so its last
-  stage's working set is the tensors it saves itself plus its workspace; a region that caches runs to its end;
+  the activation gradients sent back past ``b`` (``Stage.output_grad_bytes``), what the region's earlier stages
+  *keep* (their tensors that are saved, read by a later stage or model outputs, unless cached) and ``j``'s own
+  working set: what it keeps plus its *recompute workspace* with its option. A region that caches nothing stops
+  after its last stage's last saving op, so that stage's working set is what its re-run has made by then and still
+  holds (:meth:`Stage.stopped_rerun`); a region that caches runs to its end;
 * gradients of parameters appear during the backward of the stage that uses them last and stay.
 
 Workspaces (temporaries, activation gradients in flight) are per stage and come from measurement; a caching option
@@ -81,8 +82,12 @@ class Stage:
     """A contiguous run of graph nodes, measured.
 
     ``options`` lists the ways to recompute it; when empty, the one way is to recompute everything.
+    ``stopped_rerun_bytes``: the most bytes the stage's re-run holds at once (what it makes: saved tensors, values
+    still to be read, outputs, temporaries) when it is the last stage of a region that caches nothing, whose re-run
+    stops after its last saving op (see :meth:`stopped_rerun`); None: what it saves itself plus its workspace.
     ``grad_bytes`` counts parameter gradients first produced during this stage's backward;
-    ``output_grad_bytes`` the gradients of its outputs that later stages send back (alive while it is recomputed).
+    ``output_grad_bytes`` the activation gradients that later stages have sent back to this stage or earlier ones
+    when its backward starts (alive while it is recomputed): on a chain, those of its outputs.
     """
 
     name: str
@@ -95,6 +100,7 @@ class Stage:
     options: tuple[RecomputeOption, ...] = ()
     output_grad_bytes: int = 0
     backward_start_workspace_bytes: int = 0
+    stopped_rerun_bytes: int | None = None
 
     @property
     def recompute_options(self) -> tuple[RecomputeOption, ...]:
@@ -143,6 +149,25 @@ class Stage:
         """Bytes the recomputation of this stage with ``option`` needs beyond what the execution model counts."""
         workspace = self.recompute_options[option].workspace_bytes
         return self.recompute_workspace if workspace is None else workspace
+
+    def stopped_rerun(self, option: int, kept_bytes: int, saved_bytes: int) -> int:
+        """What the re-run of this stage with ``option`` adds at its highest as the last stage of a region that
+        caches nothing, whose re-run stops after the stage's last saving op: ``stopped_rerun_bytes``, but never
+        more than running on past the stage (``kept_bytes`` and the recompute workspace); without it, what the
+        stage saves itself (``saved_bytes``) plus its workspace. An option that caches runs on.
+
+        >>> stage = Stage("s", 1.0, 2.0, forward_workspace_bytes=10)
+        >>> stage.stopped_rerun(0, kept_bytes=100, saved_bytes=40)
+        50
+        >>> dataclasses.replace(stage, stopped_rerun_bytes=70).stopped_rerun(0, kept_bytes=100, saved_bytes=40)
+        70
+        """
+        through = kept_bytes + self.recompute_workspace_of(option)
+        if self.recompute_options[option].cached_nodes:
+            return through
+        if self.stopped_rerun_bytes is None:
+            return saved_bytes + self.recompute_workspace_of(option)
+        return min(through, self.stopped_rerun_bytes)
 
 
 @dataclass(frozen=True)
@@ -404,8 +429,11 @@ def _recompute_peak(problem: Problem, region: Region, rerun: _Rerun) -> tuple[in
     earlier, best = 0, None
     for j in region.stages:
         stops = j == region.stop - 1 and not caches
-        workspace = problem.stages[j].recompute_workspace_of(region.option_of(j))
-        moment = earlier + (rerun.saved_self[j] if stops else rerun.kept[j]) + workspace
+        stage, option = problem.stages[j], region.option_of(j)
+        workspace = stage.recompute_workspace_of(option)
+        own = stage.stopped_rerun(option, rerun.kept[j], rerun.saved_self[j]) if stops else rerun.kept[j] + workspace
+        moment = earlier + own
+        workspace = own - (rerun.saved_self[j] if stops else rerun.kept[j])
         if best is None or moment > best[0]:
             best = (moment, workspace)
         earlier += rerun.kept[j] - rerun.consumed_inside[j]

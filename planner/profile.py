@@ -69,6 +69,12 @@ class NodeProfile:
     # an op inside it wrote in place to a storage it created (selective checkpointing cannot cache such a node: it
     # keeps the storage as the first op left it, and refuses the write after)
     mutates_created: bool = False
+    # it saved some tensor for the backward (``saved`` lists only storages the graph made, not parameters or inputs):
+    # a checkpoint's re-run that stops early stops at the last node that saves anything (None: unknown, as saved)
+    saves_any: bool | None = None
+    # how many of ``created`` it had made when it last saved a tensor (autograd saves an op's inputs before the op
+    # runs, its outputs after): what a re-run stopped at this node has made of it (None: unknown, all)
+    made_by_last_save: int | None = None
 
     @property
     def created_bytes(self) -> int:
@@ -163,11 +169,13 @@ class ProfilingInterpreter(fx.Interpreter):
         args, kwargs = self.fetch_args_kwargs_from_env(n)
         in_tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         saved: set[int] = set()
+        packed = []
 
         def pack(t: torch.Tensor):
             key = self.tracker.key_of(t)
             if key is not None:
                 saved.add(key)
+            packed.append(len(self.tracker.created) - start)
             return t
 
         start = len(self.tracker.created)
@@ -192,7 +200,8 @@ class ProfilingInterpreter(fx.Interpreter):
         profile = NodeProfile(n.name, module_path(n), 0.0, flop_counter.get_total_flops(), created, reads,
                               frozenset(saved), params, output_is_view, writes=frozenset(written & reads),
                               busiest_bytes=self.tracker.high_water - alive_before,
-                              mutates_created=bool(self.tracker.written.intersection(new_keys)))
+                              mutates_created=bool(self.tracker.written.intersection(new_keys)),
+                              saves_any=bool(packed), made_by_last_save=packed[-1] if packed else None)
         n.meta["planner"] = profile
         self.profiles.append(profile)
         self.grad_fns[n.name] = [t.grad_fn for t in out_tensors if t.grad_fn is not None]

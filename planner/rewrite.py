@@ -13,7 +13,8 @@ policy (:func:`_cache_policy`) tells the partitioner to save them.
 
 Exactness: checkpoint restores the CPU/CUDA RNG and autocast state for the recomputation, random ops are never
 cached (so the recomputation draws the same numbers in the same order) but for the dropout masks of
-:mod:`planner.dropout` (a re-drawn one draws from its own saved generator state), BatchNorm runs with momentum 0 while
+:mod:`planner.dropout` (a kept mask keeps the generator's state after its draw, and its replay sets the generator
+to it, so the masks drawn again after it draw what the forward drew), BatchNorm runs with momentum 0 while
 recomputing (``running * 1 + batch * 0`` is the running value exactly) and in-place buffer updates such as
 ``num_batches_tracked += 1`` are hoisted out of regions, so BatchNorm statistics move exactly once per step. So is
 an in-place write a region would make to one of its inputs (``h.relu_()`` on the stage before's output, where stage
@@ -37,7 +38,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from .capture import aliases_input, returns_alias, written_arguments
-from .dropout import STATE_OP
+from .dropout import MASK_OP, STATE_OP, advance_to, is_mask, write_state_after_draw
 from .errors import PlannerError
 from .plan import Plan, PlannedRegion
 
@@ -159,6 +160,19 @@ class _RegionCache:
                                                 "cached")
         return _detached(out)
 
+    def after_draw(self, state: torch.Tensor, like: torch.Tensor) -> None:
+        """A kept mask was just drawn from ``state``: its replay will not draw, so the cached ``state`` becomes
+        the generator's state after the draw, for the replay to set (see :mod:`planner.dropout`)."""
+        for i in reversed(range(len(self.entries))):
+            value = self.entries[i][0]
+            if isinstance(value, torch.Tensor) and value.untyped_storage().data_ptr() == \
+                    state.untyped_storage().data_ptr():
+                write_state_after_draw(value, like)
+                self.entries[i] = (value, _versions(value))
+                return
+        raise PlannerError("internal error: a region kept a dropout mask but not the generator state it was drawn "
+                           "from; please report this with the plan")
+
 
 class _CacheMode(TorchDispatchMode):
     """A dispatch mode bound to one call's :class:`_RegionCache`."""
@@ -173,6 +187,8 @@ class _Recording(_CacheMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        if func is MASK_OP:
+            self.cache.after_draw(args[2], args[0])
         if _is_cached(func):
             self.cache.record(out)
         return out
@@ -185,7 +201,10 @@ class _Replaying(_CacheMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if not _is_cached(func):
             return func(*args, **(kwargs or {}))
-        return self.cache.replay(func)
+        out = self.cache.replay(func)
+        if func is MASK_OP:  # the kept state is the generator's after the draw: move it on as the draw did
+            advance_to(args[2], args[0])
+        return out
 
 
 def _caching() -> bool:
@@ -334,7 +353,30 @@ def _region_nodes(graph: fx.Graph, stage_nodes: Sequence[Sequence[str]],
     return list(inside), hoisted
 
 
+def _with_mask_states(nodes: list[fx.Node], cached: AbstractSet[str]) -> set[str]:
+    """``cached`` and the generator state of every cached dropout mask (a plan's caching options list them; a
+    mask's replay sets the generator from it, see :mod:`planner.dropout`). Raises :class:`PlannerError` for a
+    cached mask whose state the region does not make.
+
+    No other state is kept (the execution model counts a stage's states only when its option caches): a mask drawn
+    again reads the generator, which the checkpoint restored at the region's start and every mask before it, drawn
+    again or replayed, moved on as in the forward."""
+    inside = set(nodes)
+    states = set()
+    for n in nodes:
+        if n.name in cached and is_mask(n):
+            state = n.args[2]
+            if state not in inside:
+                raise PlannerError(f"a checkpoint region caches the dropout mask {n.name} but not its generator "
+                                   f"state {state.name}, which is made outside it",
+                                   hint="cut stages so that a mask and its state are in the same region "
+                                        "(planner's own partition does)")
+            states.add(state.name)
+    return set(cached) | states
+
+
 def _build_body(nodes: list[fx.Node], cached: set[str]) -> tuple[fx.GraphModule, list[fx.Node], list[fx.Node]]:
+    cached = _with_mask_states(nodes, cached)
     inside = set(nodes)
     inputs: list[fx.Node] = []
     for n in nodes:
@@ -348,7 +390,7 @@ def _build_body(nodes: list[fx.Node], cached: set[str]) -> tuple[fx.GraphModule,
         copied = body.node_copy(n, lambda x: env[x])
         if n.target is torch.ops.aten.batch_norm.default:
             copied.target = planner_batch_norm
-        if n.name in cached or cached and n.target is STATE_OP:  # see _cache_policy: states are always kept
+        if n.name in cached:
             copied.target = cached_call(copied.target)
         env[n] = copied
     body.output(tuple(env[n] for n in outputs))

@@ -41,6 +41,9 @@ def _stage(rng: random.Random, k: int, nodes: list[str], num_options: int, unit:
     forward = round(rng.uniform(0.5, 3.0), 3)
     optional = {"output_grad_bytes": unit * rng.choice([0, 0, 2, 5]),
                 "backward_start_workspace_bytes": unit * rng.choice([0, 0, 3, 10])}
+    # drawn apart, so that the other draws stay as they were: what the re-run holds when its region stops after it
+    stopped = random.Random(f"stopped/{k}/{forward}").choice([None, None, 0, 5, 15, 40])
+    optional["stopped_rerun_bytes"] = None if stopped is None else unit * stopped
     extra = {name: value for name, value in optional.items() if name in _STAGE_FIELDS}
     return Stage(f"s{k}", forward_seconds=forward, backward_seconds=round(2 * forward, 3),
                  grad_bytes=unit * rng.choice([0, 0, 1, 3]),

@@ -220,13 +220,18 @@ ARCHITECTURES = {  # default configs otherwise: dropout on where the model has i
 }
 
 
-@pytest.mark.parametrize("name", ARCHITECTURES)
-def test_hugging_face_architectures_train_exactly_at_their_smallest_peak(name):
+@pytest.mark.parametrize("name,granularity", [(name, "block") for name in ARCHITECTURES] + [("t5", "sublayer")],
+                         ids=[*ARCHITECTURES, "t5-sublayer"])
+def test_hugging_face_architectures_train_exactly_at_their_smallest_peak(name, granularity):
     """Each plans as built (``use_cache`` on where the config has it: capture turns it off for training, as
     ``gradient_checkpointing_enable`` does), at the smallest peak any plan reaches, and its measured step fits,
     is predicted within 3% and trains like its captured graph bit for bit, dropout included. The captured graph
     matches eager to the last bits (1e-8 here: under torch.export Hugging Face's attention takes other paths,
-    such as another SDPA call for grouped-query attention), recomputed or not."""
+    such as another SDPA call for grouped-query attention), recomputed or not. T5 cut at its sublayers: its
+    position bias, made in the first block and read by all, sends its gradient back past every stage between, and
+    the encoder's last stage makes the decoder's inputs before its re-run stops; uncounted, each made a
+    recomputation 24-65 KB heavier than predicted (a plan whose region also kept every generator state measured
+    0.2% over its budget)."""
     if name == "bart" and torch.torch_version.TorchVersion(torch.__version__) < (2, 13):
         pytest.skip("torch 2.11's export stops at a data-dependent guard in BART (Eq(u0, 1)): it is planned in parts")
     build, kwargs = ARCHITECTURES[name]
@@ -235,10 +240,10 @@ def test_hugging_face_architectures_train_exactly_at_their_smallest_peak(name):
     run = lambda m: m(**kwargs).loss  # noqa: E731
     inputs = list(kwargs.values())
     eager = training_step(model, run, inputs)
+    options = dict(example_kwargs=kwargs, profile_repeats=1, hold_outputs=False, granularity=granularity)
     with pytest.raises(planner.InfeasibleBudgetError) as tight:
-        planner.optimize(model, 1, example_kwargs=kwargs, profile_repeats=1, hold_outputs=False)
-    opt = planner.optimize(model, tight.value.minimum_budget_bytes, example_kwargs=kwargs, profile_repeats=1,
-                           hold_outputs=False)
+        planner.optimize(model, 1, **options)
+    opt = planner.optimize(model, tight.value.minimum_budget_bytes, **options)
     assert opt.plan.regions
     planned = training_step(opt, run, inputs, owner=model)
     assert planned.peak_bytes <= opt.plan.budget_bytes, (planned.peak_bytes, opt.plan.budget_bytes)

@@ -64,6 +64,21 @@ def test_dp_stays_within_budget_on_non_chains(seed):
     assert minimum_peak(problem) == peaks[0]
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_quick_least_peak_schedules_recompute_whole_stages_and_the_ilp_keeps_the_best(seed):
+    """On non-chains the smallest peak comes from the ILP, started from the program's quick least-peak schedules
+    (regions of whole stages): however little time the ILP has, it returns none that peaks higher."""
+    from planner.solvers.ilp import min_peak_schedule
+
+    problem = random_dag(14, seed, num_options=3)
+    quick = dp_module._low_peak_schedules(problem)
+    assert quick and all(region.option_of(k) == 0 for s in quick for region in s.regions for k in region.stages)
+    best = min(simulate(problem, s).peak_bytes for s in quick)
+    rushed, _ = min_peak_schedule(problem, time_limit=0.01, candidates=quick)
+    assert simulate(problem, rushed).peak_bytes <= best
+    assert minimum_peak(problem) <= best
+
+
 def test_coarse_buckets_round_up_and_stay_feasible():
     problem = random_chain(10, 6)
     eager = simulate(problem, Schedule()).peak_bytes

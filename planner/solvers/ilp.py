@@ -33,8 +33,9 @@ Memory (continuous, only bounded from below, since they appear only on the left 
   the later stages of its region consume themselves); ``through[j] >= kept_before[j] + kept(j) + workspace(j) +
   inside_from[j]`` (the moment ``j`` re-runs, when the re-run goes on past it). ``rerun[k] >= through[j] +
   output_grad_bytes(k) - M (2 - w[j,k] - e[k])`` for every ``j < k``, and ``>=`` the moment of ``k`` itself
-  ``- M (1 - e[k])``: as ``through[k]``, but when its region caches nothing it stops after ``k``'s own saved
-  tensors (``runs_on[k] >= gap(k) (caches[k] + x[k,o] - 1)`` adds the rest when the region caches after all).
+  ``- M (1 - e[k])``: as ``through[k]``, but when its region caches nothing it stops after ``k``'s last saving op
+  (``Stage.stopped_rerun``; ``runs_on[k] >= gap(k) (caches[k] + x[k,o] - 1)`` adds the rest when the region
+  caches after all).
   ``kept(j)``, ``inside(j)``, ``workspace(j)``, ``gap(j)`` are sums over ``j``'s options of constants times
   ``x[j,o]``; each ``M`` is the most its bound can reach.
 
@@ -73,7 +74,7 @@ import tempfile
 import time
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Iterable, Sequence
 
 import pulp
 
@@ -129,19 +130,15 @@ class _StageRerun:
 
     kept: list[int]
     inside: list[int]
-    saved_self: list[int]
+    stopped: list[int]  # what it adds at its highest when its region caches nothing and stops after it
     workspace: list[int]
     caching: list[bool]
 
     @property
     def through(self) -> list[int]:
-        """What the stage adds at its highest when its re-run goes on past it (or, caching, to its end)."""
+        """What the stage adds at its highest when its re-run goes on past it (or, caching, to its end); ``gap``
+        more than ``stopped`` (the region caches after all)."""
         return [k + w for k, w in zip(self.kept, self.workspace)]
-
-    @property
-    def stopped(self) -> list[int]:
-        """... when its region caches nothing and stops after it; ``gap`` more when the region caches after all."""
-        return [t if c else s + w for t, c, s, w in zip(self.through, self.caching, self.saved_self, self.workspace)]
 
     @property
     def gap(self) -> list[int]:
@@ -336,7 +333,8 @@ class Encoding:
                 else:
                     kept[o] += g.nbytes if kept_past else 0
                     saved_self[o] += g.nbytes if k in g.savers else 0
-        return _StageRerun(kept, inside, saved_self, [stage.recompute_workspace_of(o) for o in options],
+        return _StageRerun(kept, inside, [stage.stopped_rerun(o, kept[o], saved_self[o]) for o in options],
+                           [stage.recompute_workspace_of(o) for o in options],
                            [bool(option.cached_nodes) for option in stage.recompute_options])
 
     def _over_options(self, k: int, values: list[int]) -> Expr | int:
@@ -668,15 +666,18 @@ def solve_ilp(problem: Problem, budget_bytes: int, *, time_limit: float = 60.0, 
     raise RuntimeError("internal error: the ILP kept returning plans above the budget")
 
 
-def min_peak_schedule(problem: Problem, *, time_limit: float = 60.0) -> tuple[Schedule, bool]:
-    """A schedule reaching the smallest peak any schedule reaches, and whether the solver proved it smallest."""
+def min_peak_schedule(problem: Problem, *, time_limit: float = 60.0,
+                      candidates: Sequence[Schedule] = ()) -> tuple[Schedule, bool]:
+    """A schedule reaching the smallest peak any schedule reaches, and whether the solver proved it smallest.
+    The solver starts from the schedule of least peak among the baselines and ``candidates``, and never returns
+    one that peaks higher (it may run out of ``time_limit`` before it improves on it)."""
     encoding = Encoding(problem)
     unit = _memory_unit(problem)
     peak = pulp.LpVariable("peak", lowBound=0)
     for i, event in enumerate(encoding.events):
         encoding.model += (1.0 / unit) * event.bytes <= peak, f"peak_{i}"
     encoding.model += peak
-    candidates = [store_all(problem), uniform(problem), chen_sqrt(problem)]
+    candidates = [store_all(problem), uniform(problem), chen_sqrt(problem), *candidates]
     warm = min(candidates, key=lambda s: simulate(problem, s).peak_bytes)
     peak.setInitialValue(max(encoding.event_values(encoding.tight_values(warm)), default=0) / unit)
     outcome = _solve_model(encoding, time_limit, 0.0, warm)
