@@ -93,7 +93,8 @@ def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
 
 @dataclass(frozen=True)
 class Sample:
-    """Live bytes just after one op ran, and the segment it ran in (an index into ``segments``; -1 before any mark)."""
+    """Live bytes at one op's busiest (just after it ran, or while it held what a dispatch mode cannot see it
+    allocate: :func:`hidden_bytes`), and the segment it ran in (an index into ``segments``; -1 before any mark)."""
 
     op: str
     segment: int
@@ -193,6 +194,7 @@ class LiveMemoryMeter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         hidden = hidden_bytes(func, args)  # what the op holds at its busiest, out of this mode's sight
+        busiest = self.live_bytes + hidden
         if hidden:
             self.live_bytes += hidden
             self._note_peak()
@@ -206,7 +208,7 @@ class LiveMemoryMeter(TorchDispatchMode):
                 if id(storage) not in inputs and storage.nbytes() > 0:
                     self._track(storage, resizable)
         if self.record:
-            self.samples.append(Sample(str(func), len(self.segments) - 1, self.live_bytes))
+            self.samples.append(Sample(str(func), len(self.segments) - 1, max(self.live_bytes, busiest)))
         return out
 
 

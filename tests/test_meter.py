@@ -73,3 +73,13 @@ def test_backward_allocations_are_seen():
 def test_storage_bytes_counts_shared_storage_once():
     x = torch.zeros(100)
     assert storage_bytes([x, x.view(10, 10), x[5:], torch.zeros(3)]) == 400 + 12
+
+
+def test_a_recorded_sample_holds_what_its_op_held_out_of_sight():
+    """A mixed-type product converts its operand beside its output (``converted_operand_bytes``): the op's sample
+    is taken at that moment, so a timeline's highest sample is the meter's peak (a timeline of T5's backward had
+    read up to 196 KB under the peak the calibration measured)."""
+    with LiveMemoryMeter(record=True) as meter:
+        x, mask = torch.zeros(100), torch.ones(100, dtype=torch.uint8)
+        x.mul(mask)
+    assert meter.samples[-1].live_bytes == meter.peak_bytes == 400 + 100 + 400 + 400  # x, mask, converted, output
