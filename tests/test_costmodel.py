@@ -342,9 +342,8 @@ def test_a_gradient_sent_back_past_a_stage_counts_while_it_is_recomputed():
     it makes its output)."""
     from planner.api import planned_module
     from planner.plan import Plan, SolverStatus
-    from planner.problem import Region
+    from planner.problem import Phase, Region
     from planner.timeline import measure_timeline, predicted_timeline
-    from planner.problem import Phase
 
     torch.manual_seed(0)
     model, x = SharedBias(), torch.randn(256, 32)
@@ -358,7 +357,6 @@ def test_a_gradient_sent_back_past_a_stage_counts_while_it_is_recomputed():
                 for k in range(problem.num_stages)]
     assert [s.output_grad_bytes for s in problem.stages] == crossing
     assert problem.stages[1].output_grad_bytes == 3 * 256 * 32 * 4  # its two outputs and the shared tensor
-    last = 3
     stage_of = {node: i for i, s in enumerate(stages) for node in s.nodes}
     loss_fn = lambda out: out.pow(2).mean()  # noqa: E731
     problem = calibrate(problem, measure_stages(captured, stage_of, len(stages), loss_fn=loss_fn, repeats=1,

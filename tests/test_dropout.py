@@ -198,7 +198,8 @@ def test_a_region_keeps_the_states_of_the_masks_it_keeps_and_no_other(blocks):
     """A region over the first two blocks keeps the first block's masks (and their states, as the option says)
     and recomputes the second block whole, drawing its masks again from states it recomputes too: the replay of
     each kept mask moves the generator on as its draw did. It once kept every state of a caching region, 5 KiB
-    each that the execution model did not count (T5 at its smallest peak measured 10 KB over its budget)."""
+    each that the execution model did not count (T5 cut at its sublayers measured 3.6 KB over its
+    smallest-peak budget)."""
     model, x, captured, problem, stage_nodes = blocks
     (option,) = [o for o, opt in enumerate(problem.stages[0].recompute_options) if opt.name == "cache_masks"]
     states = {n.name for n in captured.compute_nodes() if is_state(n)}
