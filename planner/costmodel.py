@@ -450,7 +450,8 @@ def _crossing_gradient_bytes(profile: GraphProfile, stage_of: dict[str, int],
     every tensor made by stage ``k`` or an earlier one that a later stage reads (its gradient is made by the
     backward of its last reader, summed by the others', and consumed by its maker's). On a chain these are the
     gradients of ``k``'s own outputs; T5's position bias, made in the first block and read by every other, or an
-    encoder's output, read by every cross-attention, count at every stage in between."""
+    encoder's output, read by every cross-attention, count at every stage in between. Counted one by one, they
+    are an upper bound: a residual add's backward hands one gradient to both its inputs without a copy."""
     crossing = Counter()
     for n in profile.nodes:
         if not n.in_backward:
@@ -643,7 +644,9 @@ def _stages_making_outputs(profile: GraphProfile, stage_of: dict[str, int]) -> s
 
 
 def calibrate(problem: Problem, measured: StageMeasurement) -> Problem:
-    """Set workspaces and backward times so that the model reproduces the measured eager step stage by stage."""
+    """Set workspaces and backward times so that the model reproduces the measured eager step stage by stage. A
+    stage's recompute workspace is its forward workspace and what the eager step frees inside it that a region
+    may hold through its re-run (:func:`_released_in_reader`)."""
     events = simulate(problem, Schedule.store_all(problem.num_stages)).events
     forward = {e.stage: e for e in events if e.phase is Phase.FORWARD}
     backward = {e.stage: e for e in events if e.phase is Phase.BACKWARD}
