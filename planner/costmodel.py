@@ -503,7 +503,8 @@ def stopped_rerun_peak(nodes: Sequence[NodeProfile], outlives: Callable[[int], b
     >>> stopped_rerun_peak(nodes, lambda key: key == 3)   # stops after relu, 1 still to be read by add
     200
     """
-    stop = max((i for i, n in enumerate(nodes) if n.in_backward and (n.saved or n.saves_any)), default=None)
+    stop = max((i for i, n in enumerate(nodes) if n.in_backward and (n.saved or n.made_by_last_save is not None)),
+               default=None)
     if stop is None:
         return None
     read_later = {key for n in nodes[stop:] for key in n.reads}

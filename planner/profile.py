@@ -69,11 +69,9 @@ class NodeProfile:
     # an op inside it wrote in place to a storage it created (selective checkpointing cannot cache such a node: it
     # keeps the storage as the first op left it, and refuses the write after)
     mutates_created: bool = False
-    # it saved some tensor for the backward (``saved`` lists only storages the graph made, not parameters or inputs):
-    # a checkpoint's re-run that stops early stops at the last node that saves anything (None: unknown, as saved)
-    saves_any: bool | None = None
-    # how many of ``created`` it had made when it last saved a tensor (autograd saves an op's inputs before the op
-    # runs, its outputs after): what a re-run stopped at this node has made of it (None: unknown, all)
+    # how many of ``created`` it had made when it last saved a tensor for the backward (autograd saves an op's inputs
+    # before the op runs, its outputs after): what a re-run stopped at this node has made of it. None when it saved
+    # nothing, parameters and inputs included, which ``saved`` leaves out (or when unknown: a profile built by hand)
     made_by_last_save: int | None = None
 
     @property
@@ -201,7 +199,7 @@ class ProfilingInterpreter(fx.Interpreter):
                               frozenset(saved), params, output_is_view, writes=frozenset(written & reads),
                               busiest_bytes=self.tracker.high_water - alive_before,
                               mutates_created=bool(self.tracker.written.intersection(new_keys)),
-                              saves_any=bool(packed), made_by_last_save=packed[-1] if packed else None)
+                              made_by_last_save=packed[-1] if packed else None)
         n.meta["planner"] = profile
         self.profiles.append(profile)
         self.grad_fns[n.name] = [t.grad_fn for t in out_tensors if t.grad_fn is not None]

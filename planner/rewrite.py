@@ -165,8 +165,7 @@ class _RegionCache:
         the generator's state after the draw, for the replay to set (see :mod:`planner.dropout`)."""
         for i in reversed(range(len(self.entries))):
             value = self.entries[i][0]
-            if isinstance(value, torch.Tensor) and value.untyped_storage().data_ptr() == \
-                    state.untyped_storage().data_ptr():
+            if isinstance(value, torch.Tensor) and _same_view(value, state):
                 write_state_after_draw(value, like)
                 self.entries[i] = (value, _versions(value))
                 return
