@@ -687,18 +687,6 @@ def _released_in_reader(problem: Problem) -> list[int]:
     return released
 
 
-def spread(total: float, weights: Sequence[float]) -> list[float]:
-    """``total`` split in proportion to ``weights`` (evenly when they are all zero).
-
-    >>> spread(6.0, [1, 2, 0])
-    [2.0, 4.0, 0.0]
-    """
-    whole = sum(weights)
-    if whole <= 0:
-        return [total / len(weights)] * len(weights) if weights else []
-    return [total * w / whole for w in weights]
-
-
 def scale_seconds(problem: Problem, factor: float) -> Problem:
     """Every time in ``problem`` (forward, backward, recomputation) times ``factor``: node and stage timings taken
     as the fastest of a few runs, scaled so that their eager step matches a typical measured one.
