@@ -228,26 +228,28 @@ CALIBRATION_SECONDS = 30.0
 
 def _calibrate_checkpoint_overheads(captured: CapturedGraph, problem: Problem, stage_nodes, loss_fn,
                                     repeats: int) -> Problem:
-    """Time eager, every other stage checkpointed (:func:`_apart`), and every other stage that has caching options
-    checkpointed with the one that caches the most; what those steps cost beyond the recomputation the model
-    predicts is the checkpoint machinery's (and the error of summing the nodes' own times), charged to every
-    option of every stage at the rate the timed ones show, and to every caching option in proportion to the nodes
-    it caches (see :func:`_charges`, :func:`_cached_node_charges`). A measured
-    shortfall shrinks the costs only as far as the measurement clearly shows (:func:`_correction`).
+    """Time eager, every other stage checkpointed (:func:`_apart`) and every third pair of stages checkpointed
+    together, then every other stage that has caching options checkpointed with the one that caches the most;
+    what those steps cost beyond the recomputation the model predicts is the checkpoint machinery's (and the error
+    of summing the nodes' own times): a cost per region (``Problem.region_seconds``, :func:`_per_region_seconds`),
+    a rate per saved tensor charged to every option of every stage, and a charge to every caching option (see
+    :func:`_charges`, :func:`_cached_node_charges`). A measured shortfall shrinks the costs only as far as the
+    measurement clearly shows (:func:`_correction`).
 
     Plain checkpointing is timed against eager on its own, as a training loop runs it: interleaved with the
     caching options (the cache's allocations), Llama's checkpoint overhead measured 52% on the CPU, against 61-64%
     in rounds of eager and checkpoint alone. One caching option per stage is then timed against eager, its excess
-    scaled to the first eager median: each cached node's op runs through a dispatch mode twice (recording, then
-    replaying it), a cost per cached node that the option caching the most shows best (timed one by one, five
-    options took six steps a round, and at BERT's demo size 30 s gave 4 rounds whose medians were off by up to
-    170 ms a step, enough to make caching look free)."""
+    scaled to the first eager median, the option that caches the most (timed one by one, five options took six
+    steps a round, and at BERT's demo size 30 s gave 4 rounds whose medians were off by up to 170 ms a step,
+    enough to make caching look free)."""
     n = problem.num_stages
     caching = [k for k, s in enumerate(problem.stages) if len(s.recompute_options) > 1]
     most_cached = [_most_cached(problem.stages[k]) for k in caching]  # the option timed, per caching stage
     timed_stages = _apart(range(n))  # regions apart from each other, as a plan's usually are
     timed_caching = _apart(caching)
-    schedules = {"checkpoint": Schedule(tuple(Region(k, k + 1) for k in timed_stages))}
+    pairs = [(k, k + 2) for k in range(0, n - 1, 3)]  # regions of two stages, apart: what a region costs itself
+    schedules = {"checkpoint": Schedule(tuple(Region(k, k + 1) for k in timed_stages)),
+                 "pairs": Schedule(tuple(Region(a, b) for a, b in pairs))}
     if caching:
         schedules["caching"] = Schedule(tuple(Region(k, k + 1, (i,)) for k, i in zip(caching, most_cached)
                                               if k in timed_caching))
@@ -277,7 +279,7 @@ def _calibrate_checkpoint_overheads(captured: CapturedGraph, problem: Problem, s
                                    max_seconds=CALIBRATION_SECONDS)
 
     with preserved_training_state(captured.graph_module):
-        extra = timed(["eager", "checkpoint"])
+        extra = timed(["eager", "checkpoint"] + (["pairs"] if pairs else []))
         if caching:
             with_caching = timed(["eager", "caching"])
             to_first_eager = extra["eager"].median / with_caching["eager"].median
@@ -290,7 +292,14 @@ def _calibrate_checkpoint_overheads(captured: CapturedGraph, problem: Problem, s
         problem = scale_seconds(problem, extra["eager"].median / eager)
     saved_counts = [sum(1 for t in problem.tensors if k in t.savers) for k in range(n)]
     forwards = [s.forward_seconds for s in problem.stages]
-    hooks = _correction(extra["checkpoint"], forwards, saved_counts, timed=timed_stages)
+    per_region = 0.0
+    if pairs:
+        per_region = _per_region_seconds((extra["checkpoint"], extra["pairs"]),
+                                         ([[k] for k in timed_stages], [list(range(a, b)) for a, b in pairs]),
+                                         forwards, saved_counts)
+    problem = dataclasses.replace(problem, region_seconds=per_region)
+    hooks = _correction(extra["checkpoint"].less(len(timed_stages) * per_region), forwards, saved_counts,
+                        timed=timed_stages)
     problem = add_checkpoint_overheads(problem, [_charges([o.recompute_seconds for o in s.recompute_options],
                                                           hook, s.forward_seconds)
                                                  for s, hook in zip(problem.stages, hooks)], [0.0] * n)
@@ -300,8 +309,9 @@ def _calibrate_checkpoint_overheads(captured: CapturedGraph, problem: Problem, s
     cached = [o.recompute_seconds for o in most_cached_options]
     selective: list[float | list[float]] = [0.0] * n
     for k, timed, share in zip(caching, most_cached_options,
-                               _correction(caching_excess, cached, [len(o.cached_nodes) for o in most_cached_options],
-                                           timed=[i for i, k in enumerate(caching) if k in timed_caching])):
+                               _correction(caching_excess.less(len(timed_caching) * per_region), cached,
+                                           [len(o.cached_nodes) for o in most_cached_options],
+                                           timed=[j for j, k in enumerate(caching) if k in timed_caching])):
         selective[k] = _cached_node_charges(problem.stages[k].recompute_options, share, timed)
     return add_checkpoint_overheads(problem, [0.0] * n, selective)
 
@@ -366,6 +376,36 @@ def _apart(stages: Iterable[int]) -> list[int]:
         if not taken or taken[-1] != k - 1:
             taken.append(k)
     return taken
+
+
+def _per_region_seconds(measured: Sequence[Estimate], regions: Sequence[Sequence[Sequence[int]]],
+                        forwards: Sequence[float], counts: Sequence[int]) -> float:
+    """What a region costs itself (the checkpoint call, its recomputation's setup), from two schedules' measured
+    excess over eager (``measured``) and their ``regions`` (each a list of stage indices): beyond the ``forwards``
+    of their stages, each is taken to cost that much per region and a rate per saved tensor (``counts``), solved
+    from the two. Bounded to [0, what the first schedule shows per region], so the first's total stays what it
+    measured; 0 when either shows no excess or the two cannot tell the terms apart.
+
+    At sublayer granularity, LargeBlock's smallest-peak plan (five regions of three to six stages, recomputing
+    every stage) was predicted at 11.0 ms over eager and measured 8.7 ms with the machinery charged per stage;
+    with a cost per region, 8.0 ms against 7.5 ms (and with its caching options, 6.5 ms against 6.6 ms).
+
+    >>> from planner.timing import Estimate
+    >>> singles = Estimate(2 * (1.0 + 0.5 + 2 * 0.25), 0.0)  # stages 0 and 2: forward, region, two saved tensors
+    >>> pairs = Estimate(2 * 1.0 + 0.5 + 4 * 0.25, 0.0)  # stages 0 .. 1 in one region
+    >>> _per_region_seconds((singles, pairs), ([[0], [2]], [[0, 1]]), [1.0, 1.0, 1.0], [2, 2, 2])
+    0.5
+    >>> _per_region_seconds((singles, Estimate(5.0, 0.0)), ([[0], [2]], [[0, 1]]), [1.0, 1.0, 1.0], [2, 2, 2])
+    0.0
+    """
+    excess = [m.median - sum(forwards[k] for region in rs for k in region) for m, rs in zip(measured, regions)]
+    count = [len(rs) for rs in regions]
+    saved = [sum(counts[k] for region in rs for k in region) for rs in regions]
+    determinant = count[0] * saved[1] - count[1] * saved[0]
+    if determinant <= 0 or min(excess) <= 0:
+        return 0.0
+    per_region = (excess[0] * saved[1] - excess[1] * saved[0]) / determinant
+    return min(max(0.0, per_region), excess[0] / count[0])
 
 
 def _correction(measured: Estimate, predicted: Sequence[float], counts: Sequence[int],

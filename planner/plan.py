@@ -163,7 +163,8 @@ def _kept_in_region(problem: Problem, region: Region, stage: int, cached: frozen
 
 
 def stage_summaries(problem: Problem, schedule: Schedule) -> tuple[StageSummary, ...]:
-    """Per stage of ``problem``: times, bytes saved eagerly and under ``schedule``, and the recompute cost.
+    """Per stage of ``problem``: times, bytes saved eagerly and under ``schedule``, and the recompute cost (with
+    ``problem.region_seconds`` counted by the first stage of each region).
 
     >>> from planner.problem import Stage, TensorInfo
     >>> problem = Problem((Stage("a", 1.0, 2.0), Stage("b", 1.0, 2.0)),
@@ -180,7 +181,8 @@ def stage_summaries(problem: Problem, schedule: Schedule) -> tuple[StageSummary,
         if owner[k] is not None:
             region = schedule.regions[owner[k]]
             option = stage.recompute_options[region.option_of(k)]
-            recompute, cached = option.recompute_seconds, option.cached_nodes
+            recompute = option.recompute_seconds + (problem.region_seconds if k == region.start else 0.0)
+            cached = option.cached_nodes
             kept = _kept_in_region(problem, region, k, cached)
         summaries.append(StageSummary(stage.name, stage.forward_seconds, stage.backward_seconds, eager[k],
                                       recompute, tuple(sorted(cached)), kept))

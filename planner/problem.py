@@ -197,6 +197,7 @@ class Problem:
     tensors: tuple[TensorInfo, ...]
     fixed_bytes: int = 0
     name: str = ""
+    region_seconds: float = 0.0  # what each region costs beyond its stages' options: the checkpoint call itself
 
     def __post_init__(self):
         n = len(self.stages)
@@ -500,12 +501,18 @@ def simulate(problem: Problem, schedule: Schedule) -> Evaluation:
 
 
 def recompute_seconds(problem: Problem, schedule: Schedule) -> float:
-    """The forward time ``schedule``'s regions spend again: :func:`simulate`'s ``recompute_seconds``, without
-    replaying the step (the same sum, stage by stage in order).
+    """The time ``schedule``'s regions spend again: :func:`simulate`'s ``recompute_seconds``, without replaying the
+    step (the same sum, stage by stage in order): each stage's option, and ``problem.region_seconds`` per region
+    (counted with its first stage).
 
     >>> stages = tuple(Stage(f"s{i}", forward_seconds=1.0, backward_seconds=2.0) for i in range(3))
     >>> recompute_seconds(Problem(stages, ()), Schedule.from_segments([(0, 2)]))
     2.0
+    >>> recompute_seconds(Problem(stages, (), region_seconds=0.25), Schedule.from_segments([(0, 2)]))
+    2.25
+    >>> recompute_seconds(Problem(stages, (), region_seconds=0.25), Schedule.from_segments([(0, 1), (1, 2)]))
+    2.5
     """
     return sum(problem.stages[k].recompute_options[r.option_of(k)].recompute_seconds
+               + (problem.region_seconds if k == r.start else 0.0)
                for r in schedule.regions for k in r.stages)

@@ -300,6 +300,10 @@ class Estimate:
     def of(cls, samples: Sequence[float]) -> "Estimate":
         return cls(round(statistics.median(samples), 12), median_standard_error(samples))
 
+    def less(self, value: float) -> "Estimate":
+        """The same measurement with ``value`` taken off its median (a known part of what it measured)."""
+        return Estimate(self.median - value, self.standard_error)
+
     def clearly_above(self, value: float) -> bool:
         """Above ``value`` by more than two standard errors."""
         return self.median - 2 * self.standard_error > value

@@ -53,6 +53,11 @@ def _stage(rng: random.Random, k: int, nodes: list[str], num_options: int, unit:
                  options=_options(rng, k, forward, nodes, num_options, unit), **extra)
 
 
+def _region_seconds(kind: str, n: int, seed: int) -> float:
+    """What each region costs beyond its stages, drawn apart so that the problems' other draws stay as they were."""
+    return random.Random(f"region/{kind}/{n}/{seed}").choice([0.0, 0.0, 0.4, 1.5])
+
+
 def random_chain(n: int, seed: int = 0, *, num_options: int = 2, unit: int = 8, outputs: bool = True) -> Problem:
     """A chain: every tensor is read and saved only by its producer and the next stage (outputs anywhere)."""
     rng = random.Random(seed)
@@ -71,7 +76,8 @@ def random_chain(n: int, seed: int = 0, *, num_options: int = 2, unit: int = 8, 
             tensors.append(TensorInfo(f"out{p}", unit * rng.randint(1, 10), p, frozenset(), savers,
                                       node=rng.choice(nodes), is_output=True))
         stages.append(_stage(rng, p, nodes, num_options, unit))
-    return Problem(tuple(stages), tuple(tensors), fixed_bytes=unit * rng.randint(0, 40), name=f"chain{n}_{seed}")
+    return Problem(tuple(stages), tuple(tensors), fixed_bytes=unit * rng.randint(0, 40), name=f"chain{n}_{seed}",
+                   region_seconds=_region_seconds("chain", n, seed))
 
 
 def random_dag(n: int, seed: int = 0, *, num_options: int = 2, unit: int = 8, reach: int = 3) -> Problem:
@@ -88,7 +94,8 @@ def random_dag(n: int, seed: int = 0, *, num_options: int = 2, unit: int = 8, re
             tensors.append(TensorInfo(f"t{p}_{j}", unit * rng.randint(1, 25), p, consumers, savers,
                                       node=rng.choice(nodes), is_output=rng.random() < 0.05))
         stages.append(_stage(rng, p, nodes, num_options, unit))
-    return Problem(tuple(stages), tuple(tensors), fixed_bytes=unit * rng.randint(0, 40), name=f"dag{n}_{seed}")
+    return Problem(tuple(stages), tuple(tensors), fixed_bytes=unit * rng.randint(0, 40), name=f"dag{n}_{seed}",
+                   region_seconds=_region_seconds("dag", n, seed))
 
 
 def all_schedules(problem: Problem) -> list[Schedule]:

@@ -175,10 +175,11 @@ def test_a_calibration_that_cannot_tell_recomputation_from_free_is_ignored(monke
 
 @pytest.mark.parametrize("excess", [0.05, 0.2, 0.5, 0.95])
 def test_calibration_times_plain_checkpointing_apart_from_the_caching_options(monkeypatch, excess):
-    """Eager against plain checkpointing of every other stage in rounds of their own (as a training loop runs it),
-    then eager against every other caching stage's option that caches the most; that excess is scaled to the first
-    eager median (timings scripted). The measured totals hold for the stages timed whether they fall short of the
-    profile's forward times (5%) or exceed them (95%), and the stages between pay at the same rate."""
+    """Eager against plain checkpointing of every other stage and of pairs of stages in rounds of their own (as a
+    training loop runs it), then eager against every other caching stage's option that caches the most; that
+    excess is scaled to the first eager median (timings scripted). The measured totals hold for the stages timed,
+    each region's own cost included, whether they fall short of the profile's forward times (5%) or exceed them
+    (95%), and the stages between pay at the same rate."""
     import planner.api as api
     from planner.capture import capture
 
@@ -195,13 +196,13 @@ def test_calibration_times_plain_checkpointing_apart_from_the_caching_options(mo
 
     monkeypatch.setattr(api, "paired_step_seconds", scripted)
     problem = api.pose(captured, profile_repeats=1).problem
-    assert groups == [["eager", "checkpoint"], ["eager", "caching"]]
+    assert groups == [["eager", "checkpoint", "pairs"], ["eager", "caching"]]
     step = sum(s.forward_seconds + s.backward_seconds for s in problem.stages)
     assert step == pytest.approx(1.0)  # scaled to the first eager median
     timed = api._apart(range(problem.num_stages))
     assert len(timed) < problem.num_stages
     plain = [s.recompute_options[0].recompute_seconds for s in problem.stages]
-    assert sum(plain[k] for k in timed) == pytest.approx(excess)
+    assert sum(plain[k] for k in timed) + len(timed) * problem.region_seconds == pytest.approx(excess)
     saved = [sum(1 for t in problem.tensors if k in t.savers) for k in range(problem.num_stages)]
     forward = [s.forward_seconds for s in problem.stages]
     if excess > sum(forward[k] for k in timed):  # the machinery's: the same rate per saved tensor
@@ -213,7 +214,8 @@ def test_calibration_times_plain_checkpointing_apart_from_the_caching_options(mo
     caching = {k: problem.stages[k].recompute_options[api._most_cached(problem.stages[k])] for k in caching_stages}
     assert caching and all(o.cached_nodes for o in caching.values())
     timed_caching = api._apart(caching_stages)
-    assert sum(caching[k].recompute_seconds for k in timed_caching) == pytest.approx(excess)  # of the first eager step
+    assert sum(caching[k].recompute_seconds + problem.region_seconds
+               for k in timed_caching) == pytest.approx(excess)  # of the first eager step
 
 
 def test_a_noisy_shortfall_does_not_make_recomputation_free(monkeypatch):
@@ -236,8 +238,8 @@ def test_a_noisy_shortfall_does_not_make_recomputation_free(monkeypatch):
 
     def pose_with(checkpoint: Estimate, caching: Estimate):
         def scripted(steps, *args, **kwargs):
-            return {"eager": Estimate(1.0, 0.01), **({"checkpoint": checkpoint} if "checkpoint" in steps else
-                                                      {"caching": caching})}
+            return {"eager": Estimate(1.0, 0.01), **({"checkpoint": checkpoint, "pairs": checkpoint}
+                                                      if "checkpoint" in steps else {"caching": caching})}
         monkeypatch.setattr(api, "paired_step_seconds", scripted)
         shares.clear()
         return api.pose(captured, profile_repeats=1).problem

@@ -451,6 +451,10 @@ class _Region:
     def _seconds(self, k: int, option: int) -> float:
         return self.tables.seconds(k, option) if self.track_time else 0.0
 
+    def _first_seconds(self, option: int) -> float:
+        """The region's first stage with ``option``, and the region's own cost (``Problem.region_seconds``)."""
+        return self.tables.seconds(self.i, option) + self.tables.problem.region_seconds if self.track_time else 0.0
+
     def _fits(self, need: int) -> bool:
         return self.budget is None or need <= self.budget
 
@@ -479,16 +483,17 @@ class _Region:
             copies, future = _resolve_pinned(t, i, o, 0, ())
             start = t.start_base[i] + t.sums[i].saved_self + copies
             forward_first = t.sums[i].forward_inner[o]
-            if self._seconds(i, o) > self.ceiling:
+            seconds = self._first_seconds(o)
+            if seconds > self.ceiling:
                 continue
             caches = t.sums[i].rerun.caching[o]
             if self.backward is None:
                 if self._fits(start):
                     points.append(_Open(0, 0, NO_RERUN, caches, copies, future, start, 0, forward_first,
-                                        self._seconds(i, o), (o,)))
+                                        seconds, (o,)))
             elif (needs := self._shared_needs(0, start)) is not None:
                 points.append(_Open(0, 0, NO_RERUN, caches, copies, future, needs[0], 0, forward_first,
-                                    self._seconds(i, o), (o,), needs[1]))
+                                    seconds, (o,), needs[1]))
         return self._prune(points)
 
     def extend(self, points: list[_Open], p: int) -> list[_Open]:

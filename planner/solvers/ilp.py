@@ -44,9 +44,9 @@ every stage; per stage from the last, the recomputation (fixed + later gradients
 for a cached tensor that only its own stage reads: ``rerun[k]`` counts it while it lives) + ``rerun[k]``; where
 ``k`` ends no region this is at most the backward start), the backward start (fixed + later gradients
 + ``start`` + copies) and the backward once done (fixed + gradients so far + backward workspace + ``after`` + copies
-still needed). Objective: the recompute seconds of the chosen options. Tensors with identical rules are summed
-into one group, and tensors whose liveness no decision changes (model outputs, tensors nothing can hold) are
-constants.
+still needed). Objective: the recompute seconds of the chosen options, and ``Problem.region_seconds`` per region
+(``sum_k e[k]``). Tensors with identical rules are summed into one group, and tensors whose liveness no decision
+changes (model outputs, tensors nothing can hold) are constants.
 
 :func:`encoded_peak` evaluates this encoding on a given schedule without a solver; the tests check it equals
 ``simulate`` on random schedules, and :func:`solve_ilp` checks it on every solution.
@@ -601,10 +601,12 @@ def _budget_model(problem: Problem, budget_bytes: int) -> Encoding:
     unit = _memory_unit(problem)
     for i, event in enumerate(encoding.events):
         encoding.model += (1.0 / unit) * event.bytes <= budget_bytes / unit, f"budget_{i}"
-    seconds = [o.recompute_seconds for s in problem.stages for o in s.recompute_options]
+    seconds = [o.recompute_seconds for s in problem.stages for o in s.recompute_options] + [problem.region_seconds]
     scale = max(max(seconds, default=1.0), 1e-12)
-    encoding.model += pulp.lpSum(o.recompute_seconds / scale * encoding.choose[k][i]
-                                 for k, s in enumerate(problem.stages) for i, o in enumerate(s.recompute_options))
+    encoding.model += pulp.lpSum([o.recompute_seconds / scale * encoding.choose[k][i]
+                                  for k, s in enumerate(problem.stages) for i, o in enumerate(s.recompute_options)]
+                                 + [problem.region_seconds / scale * encoding.region_end(k)
+                                    for k in range(problem.num_stages) if problem.region_seconds])
     return encoding
 
 
