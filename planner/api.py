@@ -247,9 +247,10 @@ def _calibrate_checkpoint_overheads(captured: CapturedGraph, problem: Problem, s
     most_cached = [_most_cached(problem.stages[k]) for k in caching]  # the option timed, per caching stage
     timed_stages = _apart(range(n))  # regions apart from each other, as a plan's usually are
     timed_caching = _apart(caching)
-    pairs = [(k, k + 2) for k in range(0, n - 1, 3)]  # regions of two stages, apart: what a region costs itself
-    schedules = {"checkpoint": Schedule(tuple(Region(k, k + 1) for k in timed_stages)),
-                 "pairs": Schedule(tuple(Region(a, b) for a, b in pairs))}
+    pairs = tuple(Region(k, k + 2) for k in range(0, n - 1, 3))  # two stages each, apart: what a region costs
+    schedules = {"checkpoint": Schedule(tuple(Region(k, k + 1) for k in timed_stages))}
+    if pairs:
+        schedules["pairs"] = Schedule(pairs)
     if caching:
         schedules["caching"] = Schedule(tuple(Region(k, k + 1, (i,)) for k, i in zip(caching, most_cached)
                                               if k in timed_caching))
@@ -295,8 +296,7 @@ def _calibrate_checkpoint_overheads(captured: CapturedGraph, problem: Problem, s
     per_region = 0.0
     if pairs:
         per_region = _per_region_seconds((extra["checkpoint"], extra["pairs"]),
-                                         ([[k] for k in timed_stages], [list(range(a, b)) for a, b in pairs]),
-                                         forwards, saved_counts)
+                                         (schedules["checkpoint"], schedules["pairs"]), forwards, saved_counts)
     problem = dataclasses.replace(problem, region_seconds=per_region)
     hooks = _correction(extra["checkpoint"].less(len(timed_stages) * per_region), forwards, saved_counts,
                         timed=timed_stages)
@@ -378,10 +378,10 @@ def _apart(stages: Iterable[int]) -> list[int]:
     return taken
 
 
-def _per_region_seconds(measured: Sequence[Estimate], regions: Sequence[Sequence[Sequence[int]]],
+def _per_region_seconds(measured: Sequence[Estimate], schedules: Sequence[Schedule],
                         forwards: Sequence[float], counts: Sequence[int]) -> float:
-    """What a region costs itself (the checkpoint call, its recomputation's setup), from two schedules' measured
-    excess over eager (``measured``) and their ``regions`` (each a list of stage indices): beyond the ``forwards``
+    """What a region costs itself (the checkpoint call, its recomputation's setup), from two ``schedules``' measured
+    excess over eager (``measured``): beyond the ``forwards``
     of their stages, each is taken to cost that much per region and a rate per saved tensor (``counts``), solved
     from the two. Bounded to [0, what the first schedule shows per region], so the first's total stays what it
     measured; 0 when either shows no excess or the two cannot tell the terms apart.
@@ -393,14 +393,15 @@ def _per_region_seconds(measured: Sequence[Estimate], regions: Sequence[Sequence
     >>> from planner.timing import Estimate
     >>> singles = Estimate(2 * (1.0 + 0.5 + 2 * 0.25), 0.0)  # stages 0 and 2: forward, region, two saved tensors
     >>> pairs = Estimate(2 * 1.0 + 0.5 + 4 * 0.25, 0.0)  # stages 0 .. 1 in one region
-    >>> _per_region_seconds((singles, pairs), ([[0], [2]], [[0, 1]]), [1.0, 1.0, 1.0], [2, 2, 2])
+    >>> timed = (Schedule.from_segments([(0, 1), (2, 3)]), Schedule.from_segments([(0, 2)]))
+    >>> _per_region_seconds((singles, pairs), timed, [1.0, 1.0, 1.0], [2, 2, 2])
     0.5
-    >>> _per_region_seconds((singles, Estimate(5.0, 0.0)), ([[0], [2]], [[0, 1]]), [1.0, 1.0, 1.0], [2, 2, 2])
+    >>> _per_region_seconds((singles, Estimate(5.0, 0.0)), timed, [1.0, 1.0, 1.0], [2, 2, 2])
     0.0
     """
-    excess = [m.median - sum(forwards[k] for region in rs for k in region) for m, rs in zip(measured, regions)]
-    count = [len(rs) for rs in regions]
-    saved = [sum(counts[k] for region in rs for k in region) for rs in regions]
+    excess = [m.median - sum(forwards[k] for r in s.regions for k in r.stages) for m, s in zip(measured, schedules)]
+    count = [len(s.regions) for s in schedules]
+    saved = [sum(counts[k] for r in s.regions for k in r.stages) for s in schedules]
     determinant = count[0] * saved[1] - count[1] * saved[0]
     if determinant <= 0 or min(excess) <= 0:
         return 0.0

@@ -23,7 +23,7 @@ from typing import Any
 
 from .budget import format_bytes
 from .errors import PlannerError
-from .problem import Problem, Region, Schedule, TensorInfo, simulate
+from .problem import Problem, Region, Schedule, TensorInfo, simulate, stage_recompute_seconds
 from .schema import plan_schema, validate
 
 SCHEMA_VERSION = 1
@@ -181,8 +181,7 @@ def stage_summaries(problem: Problem, schedule: Schedule) -> tuple[StageSummary,
         if owner[k] is not None:
             region = schedule.regions[owner[k]]
             option = stage.recompute_options[region.option_of(k)]
-            recompute = option.recompute_seconds + (problem.region_seconds if k == region.start else 0.0)
-            cached = option.cached_nodes
+            recompute, cached = stage_recompute_seconds(problem, region, k), option.cached_nodes
             kept = _kept_in_region(problem, region, k, cached)
         summaries.append(StageSummary(stage.name, stage.forward_seconds, stage.backward_seconds, eager[k],
                                       recompute, tuple(sorted(cached)), kept))

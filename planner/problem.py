@@ -513,6 +513,17 @@ def recompute_seconds(problem: Problem, schedule: Schedule) -> float:
     >>> recompute_seconds(Problem(stages, (), region_seconds=0.25), Schedule.from_segments([(0, 1), (1, 2)]))
     2.5
     """
-    return sum(problem.stages[k].recompute_options[r.option_of(k)].recompute_seconds
-               + (problem.region_seconds if k == r.start else 0.0)
-               for r in schedule.regions for k in r.stages)
+    return sum(stage_recompute_seconds(problem, r, k) for r in schedule.regions for k in r.stages)
+
+
+def stage_recompute_seconds(problem: Problem, region: Region, k: int) -> float:
+    """What stage ``k`` of ``region`` spends again: its option's recompute seconds, and for the region's first
+    stage ``problem.region_seconds`` (the region's own cost).
+
+    >>> stages = tuple(Stage(f"s{i}", forward_seconds=1.0, backward_seconds=2.0) for i in range(2))
+    >>> problem = Problem(stages, (), region_seconds=0.25)
+    >>> [stage_recompute_seconds(problem, Region(0, 2), k) for k in (0, 1)]
+    [1.25, 1.0]
+    """
+    own = problem.region_seconds if k == region.start else 0.0
+    return problem.stages[k].recompute_options[region.option_of(k)].recompute_seconds + own
