@@ -222,8 +222,9 @@ def test_a_noisy_shortfall_does_not_make_recomputation_free(monkeypatch):
     """A caching step timed at 0 +/- 0.3 of eager over it, short of the profile's times by less than its noise
     shows: no correction, so the caching options keep the profile's costs, where taking the median would have
     shrunk every one towards nothing; a clear shortfall (-0.5 +/- 0.01) still shrinks them, and plain
-    checkpointing timed at 0.1 +/- 0.01, clearly short of the forwards, shrinks to the median plus two standard
-    errors."""
+    checkpointing of every other stage timed at 0.03 +/- 0.005, clearly short of those stages' forwards (about 0.2
+    of the step), shrinks to the median plus two standard errors (at 0.1 +/- 0.01 it depended on how the
+    one-repeat profile split the step between forward and backward)."""
     import planner.api as api
     from planner.capture import capture
 
@@ -244,9 +245,9 @@ def test_a_noisy_shortfall_does_not_make_recomputation_free(monkeypatch):
         shares.clear()
         return api.pose(captured, profile_repeats=1).problem
 
-    noisy = pose_with(Estimate(0.1, 0.01), Estimate(0.0, 0.3))
+    noisy = pose_with(Estimate(0.03, 0.005), Estimate(0.0, 0.3))
     timed = api._apart(range(noisy.num_stages))
-    assert sum(noisy.stages[k].recompute_options[0].recompute_seconds for k in timed) == pytest.approx(0.12)
+    assert sum(noisy.stages[k].recompute_options[0].recompute_seconds for k in timed) == pytest.approx(0.04)
     assert shares and all(share == pytest.approx(0, abs=1e-12) for share in shares)
-    pose_with(Estimate(0.1, 0.01), Estimate(-0.5, 0.01))
+    pose_with(Estimate(0.03, 0.005), Estimate(-0.5, 0.01))
     assert shares and all(share <= 0 for share in shares) and any(share < 0 for share in shares)
