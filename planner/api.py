@@ -17,10 +17,12 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
+import itertools
 import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Sequence
 
+import numpy as np
 import torch
 
 from .budget import Budget, format_bytes, parse_budget
@@ -34,7 +36,7 @@ from .costmodel import (Granularity, add_checkpoint_overheads, build_problem, ca
 from .dropout import is_mask, is_state
 from .errors import InfeasibleBudgetError, PlannerError
 from .plan import Plan, SolverStatus, budget_for_usable, usable_bytes
-from .problem import Problem, RecomputeOption, Region, Schedule, simulate
+from .problem import Problem, RecomputeOption, Region, Schedule, recompute_seconds, simulate
 from .profile import StageMeasurement, default_loss, measure_stages, paired_step_seconds, preserved_training_state, profile_graph
 from .parts import PartialCaptureWarning, ReducedBudget, capturable_parts, parts_planned, record_calls
 from .rewrite import apply_plan
@@ -220,21 +222,24 @@ def pose(captured: CapturedGraph, *, loss_fn: Callable | None = None, optimizer=
 
 
 # Calibration rounds go on (up to CALIBRATION_ROUNDS times the profile repeats, within CALIBRATION_SECONDS) until
-# the standard error of every measured cost is within CALIBRATION_TOLERANCE of the eager step.
-CALIBRATION_TOLERANCE = 0.02
-CALIBRATION_ROUNDS = 16
+# the standard error of every measured cost is within CALIBRATION_TOLERANCE of the eager step. The costs per step and
+# per region are a few percent of a step: at 2% and 16 rounds a repeat, four calibrations of LargeBlock (test size)
+# put them at 0-1.25 ms and 0-0.64 ms; at 0.5% and 32, at 0-0.36 ms and 0.38-0.52 ms (planning 4 s -> 10-30 s).
+CALIBRATION_TOLERANCE = 0.005
+CALIBRATION_ROUNDS = 32
 CALIBRATION_SECONDS = 30.0
 
 
 def _calibrate_checkpoint_overheads(captured: CapturedGraph, problem: Problem, stage_nodes, loss_fn,
                                     repeats: int) -> Problem:
-    """Time eager, every other stage checkpointed (:func:`_apart`) and every third pair of stages checkpointed
-    together, then every other stage that has caching options checkpointed with the one that caches the most;
-    what those steps cost beyond the recomputation the model predicts is the checkpoint machinery's (and the error
-    of summing the nodes' own times): a cost per region (``Problem.region_seconds``, :func:`_per_region_seconds`),
-    a rate per saved tensor charged to every option of every stage, and a charge to every caching option (see
-    :func:`_charges`, :func:`_cached_node_charges`). A measured shortfall shrinks the costs only as far as the
-    measurement clearly shows (:func:`_correction`).
+    """Time eager, every other stage checkpointed (:func:`_apart`), every third pair of stages checkpointed
+    together and one stage checkpointed alone, then every other stage that has caching options checkpointed with
+    the one that caches the most; what those steps cost beyond the recomputation the model predicts (each region
+    stopping early: ``Stage.stopped_seconds``) is the checkpoint machinery's (and the error of summing the nodes'
+    own times): a cost per step and one per region (``Problem.per_step_seconds``, ``Problem.region_seconds``:
+    :func:`_fixed_costs`), a rate per saved tensor charged to every option of every stage, and a charge to every
+    caching option (see :func:`_charges`, :func:`_cached_node_charges`). A measured shortfall shrinks the costs
+    only as far as the measurement clearly shows (:func:`_correction`).
 
     Plain checkpointing is timed against eager on its own, as a training loop runs it: interleaved with the
     caching options (the cache's allocations), Llama's checkpoint overhead measured 52% on the CPU, against 61-64%
@@ -251,6 +256,9 @@ def _calibrate_checkpoint_overheads(captured: CapturedGraph, problem: Problem, s
     schedules = {"checkpoint": Schedule(tuple(Region(k, k + 1) for k in timed_stages))}
     if pairs:
         schedules["pairs"] = Schedule(pairs)
+    if len(timed_stages) > 1:  # one region alone: what checkpointing costs once a step
+        middle = timed_stages[len(timed_stages) // 2]
+        schedules["single"] = Schedule((Region(middle, middle + 1),))
     if caching:
         schedules["caching"] = Schedule(tuple(Region(k, k + 1, (i,)) for k, i in zip(caching, most_cached)
                                               if k in timed_caching))
@@ -280,7 +288,7 @@ def _calibrate_checkpoint_overheads(captured: CapturedGraph, problem: Problem, s
                                    max_seconds=CALIBRATION_SECONDS)
 
     with preserved_training_state(captured.graph_module):
-        extra = timed(["eager", "checkpoint"] + (["pairs"] if pairs else []))
+        extra = timed(["eager", *(name for name in ("checkpoint", "pairs", "single") if name in schedules)])
         if caching:
             with_caching = timed(["eager", "caching"])
             to_first_eager = extra["eager"].median / with_caching["eager"].median
@@ -292,24 +300,24 @@ def _calibrate_checkpoint_overheads(captured: CapturedGraph, problem: Problem, s
     if eager > 0:  # the profile's fastest-of-a-few times, scaled to the typical eager step
         problem = scale_seconds(problem, extra["eager"].median / eager)
     saved_counts = [sum(1 for t in problem.tensors if k in t.savers) for k in range(n)]
-    forwards = [s.forward_seconds for s in problem.stages]
-    per_region = 0.0
-    if pairs:
-        per_region = _per_region_seconds((extra["checkpoint"], extra["pairs"]),
-                                         (schedules["checkpoint"], schedules["pairs"]), forwards, saved_counts)
-    problem = dataclasses.replace(problem, region_seconds=per_region)
-    hooks = _correction(extra["checkpoint"].less(len(timed_stages) * per_region), forwards, saved_counts,
+    alone = [s.stopped_seconds(0) for s in problem.stages]  # each stage re-run as a region of its own (stops early)
+    fitted = [name for name in ("checkpoint", "pairs", "single") if name in schedules]
+    per_step, per_region = _fixed_costs([extra[name] for name in fitted], [schedules[name] for name in fitted],
+                                        [recompute_seconds(problem, schedules[name]) for name in fitted], saved_counts)
+    problem = dataclasses.replace(problem, region_seconds=per_region, per_step_seconds=per_step)
+    hooks = _correction(extra["checkpoint"].less(per_step + len(timed_stages) * per_region), alone, saved_counts,
                         timed=timed_stages)
     problem = add_checkpoint_overheads(problem, [_charges([o.recompute_seconds for o in s.recompute_options],
-                                                          hook, s.forward_seconds)
-                                                 for s, hook in zip(problem.stages, hooks)], [0.0] * n)
+                                                          hook, timed_cost)
+                                                 for s, hook, timed_cost in zip(problem.stages, hooks, alone)],
+                                       [0.0] * n)
     if not caching:
         return problem
     most_cached_options = [problem.stages[k].recompute_options[i] for k, i in zip(caching, most_cached)]
     cached = [o.recompute_seconds for o in most_cached_options]
     selective: list[float | list[float]] = [0.0] * n
     for k, timed, share in zip(caching, most_cached_options,
-                               _correction(caching_excess.less(len(timed_caching) * per_region), cached,
+                               _correction(caching_excess.less(per_step + len(timed_caching) * per_region), cached,
                                            [len(o.cached_nodes) for o in most_cached_options],
                                            timed=[j for j, k in enumerate(caching) if k in timed_caching])):
         selective[k] = _cached_node_charges(problem.stages[k].recompute_options, share, timed)
@@ -378,35 +386,83 @@ def _apart(stages: Iterable[int]) -> list[int]:
     return taken
 
 
-def _per_region_seconds(measured: Sequence[Estimate], schedules: Sequence[Schedule],
-                        forwards: Sequence[float], counts: Sequence[int]) -> float:
-    """What a region costs itself (the checkpoint call, its recomputation's setup), from two ``schedules``' measured
-    excess over eager (``measured``): beyond the ``forwards``
-    of their stages, each is taken to cost that much per region and a rate per saved tensor (``counts``), solved
-    from the two. Bounded to [0, what the first schedule shows per region], so the first's total stays what it
-    measured; 0 when either shows no excess or the two cannot tell the terms apart.
+def _fixed_costs(measured: Sequence[Estimate], schedules: Sequence[Schedule], predicted: Sequence[float],
+                 counts: Sequence[int]) -> tuple[float, float]:
+    """What checkpointing costs once a step (``Problem.per_step_seconds``) and once per region
+    (``Problem.region_seconds``: the checkpoint call, its recomputation's setup), from the ``schedules``' measured
+    excess over eager (``measured``) beyond the recomputation predicted for each (``predicted``: the forwards of
+    their stages, stopping early). Each excess is taken as the cost per step (when there are three schedules), a
+    cost per region and a rate per saved tensor (``counts``, per stage): the least-squares fit with none below
+    zero, and no more of the first schedule's excess than it measured (the rest is its rate per saved tensor).
+    Both are 0 when a schedule shows no excess; a cost the measurements' noise hides (below two standard errors)
+    is left out and the others fitted without it: on U-Net at test size (67 ms a step, 1 ms of noise), four
+    calibrations put the cost per step at 0 to 1.6 ms and the one per region at 0 to 0.9 ms.
 
     At sublayer granularity, LargeBlock's smallest-peak plan (five regions of three to six stages, recomputing
     every stage) was predicted at 11.0 ms over eager and measured 8.7 ms with the machinery charged per stage;
-    with a cost per region, 8.0 ms against 7.5 ms (and with its caching options, 6.5 ms against 6.6 ms).
+    with a cost per region, 8.0 ms against 7.5 ms. One region alone cost more than a region among many: on ResNet
+    at sublayer granularity (test size, 28 ms a step), 1.2 ms beyond its recomputation, against 0.75 ms a region
+    for two, 0.33 ms for eight and 0.20 ms for 21, so plans of a few regions were under-predicted by up to 1 ms.
 
     >>> from planner.timing import Estimate
     >>> singles = Estimate(2 * (1.0 + 0.5 + 2 * 0.25), 0.0)  # stages 0 and 2: forward, region, two saved tensors
     >>> pairs = Estimate(2 * 1.0 + 0.5 + 4 * 0.25, 0.0)  # stages 0 .. 1 in one region
     >>> timed = (Schedule.from_segments([(0, 1), (2, 3)]), Schedule.from_segments([(0, 2)]))
-    >>> _per_region_seconds((singles, pairs), timed, [1.0, 1.0, 1.0], [2, 2, 2])
-    0.5
-    >>> _per_region_seconds((singles, Estimate(5.0, 0.0)), timed, [1.0, 1.0, 1.0], [2, 2, 2])
-    0.0
+    >>> _fixed_costs((singles, pairs), timed, [2.0, 2.0], [2, 2, 2])
+    (0.0, 0.5)
+    >>> _fixed_costs((singles, Estimate(5.0, 0.0)), timed, [2.0, 2.0], [2, 2, 2])
+    (0.0, 0.0)
+    >>> alone = Estimate(1.0 + 0.75 + 0.5 + 2 * 0.25, 0.0)  # and once a step: 0.75
+    >>> _fixed_costs((singles.less(-0.75), pairs.less(-0.75), alone), (*timed, Schedule.from_segments([(2, 3)])),
+    ...              [2.0, 2.0, 1.0], [2, 2, 2])
+    (0.75, 0.5)
+    >>> noisy = [Estimate(e.median, 0.5) for e in (singles.less(-0.75), pairs.less(-0.75), alone)]
+    >>> _fixed_costs(noisy, (*timed, Schedule.from_segments([(2, 3)])), [2.0, 2.0, 1.0], [2, 2, 2])
+    (0.0, 0.0)
     """
-    excess = [m.median - sum(forwards[k] for r in s.regions for k in r.stages) for m, s in zip(measured, schedules)]
-    count = [len(s.regions) for s in schedules]
-    saved = [sum(counts[k] for r in s.regions for k in r.stages) for s in schedules]
-    determinant = count[0] * saved[1] - count[1] * saved[0]
-    if determinant <= 0 or min(excess) <= 0:
-        return 0.0
-    per_region = (excess[0] * saved[1] - excess[1] * saved[0]) / determinant
-    return min(max(0.0, per_region), excess[0] / count[0])
+    excess = np.array([m.median - p for m, p in zip(measured, predicted)])
+    if len(excess) < 2 or excess.min() <= 0:
+        return 0.0, 0.0
+    errors = np.array([m.standard_error for m in measured])
+    columns = np.array([[1.0, len(s.regions), sum(counts[k] for r in s.regions for k in r.stages)]
+                        for s in schedules])
+    free = [0, 1, 2] if len(excess) > 2 else [1, 2]
+    while True:
+        fit, spread = _nonnegative_fit(columns, excess, errors, free)
+        unclear = [i for i in (0, 1) if i in free and fit[i] < 2 * spread[i]]
+        if not unclear:
+            break
+        free.remove(min(unclear, key=lambda i: fit[i] / spread[i] if spread[i] else np.inf))
+    per_step, per_region = float(fit[0]), float(fit[1])
+    first = excess[0]
+    if per_step + per_region * columns[0, 1] > first:  # the first schedule's total stays what it measured
+        shrink = first / (per_step + per_region * columns[0, 1])
+        per_step, per_region = per_step * shrink, per_region * shrink
+    return round(per_step, 12), round(per_region, 12)  # (least squares leave the last bits to chance)
+
+
+def _nonnegative_fit(columns: np.ndarray, values: np.ndarray, errors: np.ndarray,
+                     free: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+    """The least-squares fit of ``values`` by the ``free`` ``columns`` with no term below zero (the best over
+    every set of free terms), and each term's standard error from the values' ``errors``.
+
+    >>> fit, spread = _nonnegative_fit(np.array([[1.0, 1.0], [1.0, 2.0]]), np.array([1.0, 0.5]),
+    ...                                np.array([0.1, 0.1]), [0, 1])
+    >>> fit.round(6).tolist(), spread.round(6).tolist()  # the slope would be negative: the mean alone
+    ([0.75, 0.0], [0.070711, 0.0])
+    """
+    best, fit, spread = np.inf, np.zeros(columns.shape[1]), np.zeros(columns.shape[1])
+    for size in range(1, len(free) + 1):
+        for terms in itertools.combinations(free, size):
+            inverse = np.linalg.pinv(columns[:, terms])
+            solution = np.zeros(columns.shape[1])
+            solution[list(terms)] = inverse @ values
+            residual = float(np.sum((columns @ solution - values) ** 2))
+            if solution.min() >= -1e-12 and residual < best - 1e-15:
+                best, fit = residual, np.maximum(solution, 0.0)
+                spread = np.zeros(columns.shape[1])
+                spread[list(terms)] = np.sqrt((inverse ** 2) @ (errors ** 2))
+    return fit, spread
 
 
 def _correction(measured: Estimate, predicted: Sequence[float], counts: Sequence[int],

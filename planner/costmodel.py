@@ -437,7 +437,8 @@ def build_problem(profile: GraphProfile, stages: Sequence[StageSpec], *, random_
         options = recompute_options(nodes, random_nodes, always_kept, masks)
         built.append(Stage(spec.name, forward_seconds=sum(n.seconds for n in nodes), backward_seconds=0.0,
                            grad_bytes=grads[i], output_grad_bytes=output_grads[i],
-                           options=options[:1] if i in makes_output else options))
+                           options=options[:1] if i in makes_output else options,
+                           early_stop_seconds=early_stop_seconds(nodes)))
     problem = Problem(tuple(built), tuple(tensors), profile.fixed_bytes + extra_fixed_bytes, name)
     last_use = {key: max(readers.get(key, set()) | savers.get(key, set())) for key in readers.keys() | savers.keys()}
     return _with_caching_workspaces(problem, [[by_name[x] for x in spec.nodes] for spec in stages],
@@ -486,6 +487,39 @@ def _with_caching_workspaces(problem: Problem, stage_nodes: Sequence[Sequence[No
     return dataclasses.replace(problem, stages=tuple(stages))
 
 
+def _stop_index(nodes: Sequence[NodeProfile]) -> int | None:
+    """The index of the last of ``nodes`` that saves a tensor for the backward (None when none does)."""
+    return max((i for i, n in enumerate(nodes) if n.in_backward and (n.saved or n.made_by_last_save is not None)),
+               default=None)
+
+
+def early_stop_seconds(nodes: Sequence[NodeProfile]) -> float:
+    """The forward time the re-run of ``nodes`` (one stage, in order) skips as the last stage of a region that
+    caches nothing: non-reentrant checkpoint stops the re-run when the op that saves the last tensor the backward
+    needs saves it, so the ops after it never run, nor does that op itself when it had made nothing by then
+    (autograd saves an op's inputs before the op runs: a convolution or a linear layer ending a stage is not run
+    again). All of them when the stage saves nothing; nothing when it is unknown what the last op had made.
+
+    At sublayer granularity on ResNet (test size, one thread), a convolution checkpointed alone re-ran in 0.06 ms
+    against its forward's 0.76 ms, and plans of many such regions were predicted up to 1 ms a step over measured.
+
+    >>> from planner.profile import StorageRecord
+    >>> def node(name, seconds, saved=(), made=None):
+    ...     record = (StorageRecord(7, 100, True),)
+    ...     return NodeProfile(name, "", seconds, 0, record, frozenset(), frozenset(saved), frozenset(), False,
+    ...                        made_by_last_save=made)
+    >>> early_stop_seconds([node("relu", 1.0, saved={7}, made=1), node("conv", 2.0, made=0)])  # conv saves its input
+    2.0
+    >>> early_stop_seconds([node("conv", 2.0, made=0), node("relu", 1.0, saved={7}, made=1), node("view", 0.5)])
+    0.5
+    """
+    stop = _stop_index(nodes)
+    if stop is None:
+        return sum(n.seconds for n in nodes)
+    skipped = sum(n.seconds for n in nodes[stop + 1:])
+    return skipped + (nodes[stop].seconds if nodes[stop].made_by_last_save == 0 else 0.0)
+
+
 def stopped_rerun_peak(nodes: Sequence[NodeProfile], outlives: Callable[[int], bool]) -> int | None:
     """The most bytes of storages made by ``nodes`` (one stage, in order) alive at once while the stage re-runs as
     the last of a checkpoint region that caches nothing: non-reentrant checkpoint stops the re-run after the op
@@ -503,8 +537,7 @@ def stopped_rerun_peak(nodes: Sequence[NodeProfile], outlives: Callable[[int], b
     >>> stopped_rerun_peak(nodes, lambda key: key == 3)   # stops after relu, 1 still to be read by add
     200
     """
-    stop = max((i for i, n in enumerate(nodes) if n.in_backward and (n.saved or n.made_by_last_save is not None)),
-               default=None)
+    stop = _stop_index(nodes)
     if stop is None:
         return None
     read_later = {key for n in nodes[stop:] for key in n.reads}
@@ -698,6 +731,7 @@ def scale_seconds(problem: Problem, factor: float) -> Problem:
     """
     stages = tuple(dataclasses.replace(
         s, forward_seconds=s.forward_seconds * factor, backward_seconds=s.backward_seconds * factor,
+        early_stop_seconds=s.early_stop_seconds * factor,
         options=tuple(dataclasses.replace(o, recompute_seconds=o.recompute_seconds * factor)
                       for o in s.recompute_options)) for s in problem.stages)
     tensors = tuple(dataclasses.replace(t, seconds=t.seconds * factor) for t in problem.tensors)
@@ -711,7 +745,13 @@ def add_checkpoint_overheads(problem: Problem, checkpoint_seconds: Sequence[floa
     bookkeeping) and ``selective_seconds[k]`` more when the option caches nodes (a dispatch mode sees every op).
     Each is one number for all of the stage's options, or one per option (the selective one ignored at index 0,
     which caches nothing). A correction may be negative (the sum of the nodes' own times over-counted); no option
-    costs below zero.
+    costs below zero, and what an early stop skips (``Stage.early_stop_seconds``, node time) shrinks with the
+    first option's.
+
+    >>> stage = Stage("s", 1.0, 2.0, early_stop_seconds=0.5)
+    >>> [(s.recompute_options[0].recompute_seconds, s.early_stop_seconds)
+    ...  for c in (0.25, -0.5) for s in add_checkpoint_overheads(Problem((stage,), ()), [c], [0.0]).stages]
+    [(1.25, 0.5), (0.5, 0.25)]
     """
     stages = []
     for stage, hooks, selective in zip(problem.stages, checkpoint_seconds, selective_seconds):
@@ -720,7 +760,9 @@ def add_checkpoint_overheads(problem: Problem, checkpoint_seconds: Sequence[floa
                                                                      + (extra if o.cached_nodes else 0.0)))
                         for o, hook, extra in zip(stage.recompute_options, _per_option(hooks, count),
                                                   _per_option(selective, count)))
-        stages.append(dataclasses.replace(stage, options=options))
+        before, after = stage.recompute_options[0].recompute_seconds, options[0].recompute_seconds
+        skipped = stage.early_stop_seconds * (after / before if 0 < after < before else 1.0 if after else 0.0)
+        stages.append(dataclasses.replace(stage, options=options, early_stop_seconds=min(skipped, after)))
     return dataclasses.replace(problem, stages=tuple(stages))
 
 

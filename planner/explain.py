@@ -30,7 +30,8 @@ total     2 of 3 recomputed                         36.00 KiB     56.00 KiB    2
 predicted peak 49.77 KiB (76% of eager 65.77 KiB), +13.9% step time
 kept: bytes a stage holds from its forward for its backward; a checkpoint region's inputs count for its first
 stage, and a tensor that two stages save counts for both. recompute: what the stage's forward costs again;
-a region's first stage also counts what the region's checkpoint costs itself.
+a region's first stage also counts what the region's checkpoint costs itself, and the last stage of a region with no
+cached node re-runs only up to its last op that saves a tensor.
 tensors: listed under the stage that makes them, largest first, with the module and the time of the op that
 makes them; a region input is held by the checkpoint of a later region that reads it; cached ones are held,
 and the recomputation takes them instead of remaking them.
@@ -47,7 +48,8 @@ _COLUMNS = ("stage", "decision", "kept (plan)", "kept (eager)", "recompute")
 _RIGHT = (False, False, True, True, True)
 _NOTE = ("kept: bytes a stage holds from its forward for its backward; a checkpoint region's inputs count for its "
          "first\nstage, and a tensor that two stages save counts for both. recompute: what the stage's forward "
-         "costs again;\na region's first stage also counts what the region's checkpoint costs itself.")
+         "costs again;\na region's first stage also counts what the region's checkpoint costs itself, and the "
+         "last stage of a region with no\ncached node re-runs only up to its last op that saves a tensor.")
 _FATE_WIDTH = max(len(f.value) for f in TensorFate)
 _TENSOR_NOTE = ("tensors: listed under the stage that makes them, largest first, with the module and the time of "
                 "the op that\nmakes them; a region input is held by the checkpoint of a later region that reads it; "
@@ -107,7 +109,26 @@ def _total_row(plan: Plan) -> tuple[str, ...]:
     planned = [s.saved_bytes_planned for s in summaries]
     kept = None if None in planned else sum(planned)
     return ("total", recomputed, _bytes(kept), _bytes(sum(s.saved_bytes_eager for s in summaries)),
-            format_seconds(sum(s.recompute_seconds for s in summaries)))
+            format_seconds(plan.predicted_recompute_seconds))
+
+
+def _once_a_step(plan: Plan) -> list[str]:
+    """A line for what the total counts beside the stages: checkpointing's cost once a step
+    (``Problem.per_step_seconds``), when the plan has one.
+
+    >>> from planner.plan import SolverStatus
+    >>> from planner.problem import Problem, Schedule, Stage
+    >>> problem = Problem((Stage("a", 0.001, 0.002),), (), per_step_seconds=0.0002)
+    >>> _once_a_step(Plan.from_schedule(problem, Schedule.uniform(1), solver="uniform", status=SolverStatus.HEURISTIC))
+    ['the total also counts 200.0 us that checkpointing costs once a step, whichever stages it recomputes']
+    """
+    if not plan.stage_summaries:
+        return []
+    once = plan.predicted_recompute_seconds - sum(s.recompute_seconds for s in plan.stage_summaries)
+    if once <= 1e-9 * max(plan.predicted_recompute_seconds, 1e-9):
+        return []
+    return [f"the total also counts {format_seconds(once)} that checkpointing costs once a step, whichever stages "
+            "it recomputes"]
 
 
 def _table(rows: list[tuple[str, ...]], totals: tuple[str, ...]) -> list[str]:
@@ -167,7 +188,7 @@ def explain(plan: Plan, *, show_nodes: bool = False, show_tensors: bool = False)
     if show_nodes or show_tensors:
         table = _with_details(table, plan, nodes=show_nodes, tensors=show_tensors)
     notes = [_NOTE, _TENSOR_NOTE] if show_tensors and plan.tensor_summaries else [_NOTE]
-    return "\n".join([*lines, *table, _prediction(plan), *notes])
+    return "\n".join([*lines, *table, _prediction(plan), *_once_a_step(plan), *notes])
 
 
 def _tensor_lines(plan: Plan, stage: int) -> list[str]:

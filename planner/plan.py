@@ -230,8 +230,12 @@ class Plan:
     def from_schedule(cls, problem: Problem, schedule: Schedule, *, solver: str, status: SolverStatus,
                       gap: float | None = None, solve_seconds: float = 0.0,
                       budget_bytes: int | None = None, lower_bound_seconds: float | None = None) -> "Plan":
-        """Evaluate ``schedule`` on ``problem`` and record the prediction beside the decisions."""
+        """Evaluate ``schedule`` on ``problem`` and record the prediction beside the decisions. A solver's
+        ``lower_bound_seconds`` leaves out ``problem.per_step_seconds`` (as its objective does); it is added here
+        for a schedule that checkpoints, as in the prediction."""
         evaluation = simulate(problem, schedule)
+        if lower_bound_seconds is not None and schedule.regions:
+            lower_bound_seconds += problem.per_step_seconds
         eager = simulate(problem, Schedule.store_all(problem.num_stages))
         regions = tuple(
             PlannedRegion(r.start, r.stop, tuple(sorted(set().union(*(

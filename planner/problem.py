@@ -40,6 +40,10 @@ carries its own recompute workspace (``costmodel`` replays the re-run node by no
 workspace of its stage inside a region, where what the stage saves is not kept and dies after its last reader
 (replayed the same way; :meth:`Stage.forward_workspace_of`).
 
+Time: each recomputed stage costs its option's recompute seconds, but the last stage of a region that caches
+nothing only up to its last saving op (:meth:`Stage.stopped_seconds`); each region costs ``region_seconds`` itself,
+and a step with any region ``per_step_seconds`` (:func:`recompute_seconds`, :func:`simulate`).
+
 >>> stages = tuple(Stage(f"s{i}", forward_seconds=1.0, backward_seconds=2.0) for i in range(3))
 >>> tensors = tuple(TensorInfo(f"t{i}", 100, producer=i, consumers=frozenset({i + 1}) if i < 2 else frozenset(),
 ...                            savers=frozenset({i, i + 1}) if i < 2 else frozenset({i}), node=f"n{i}")
@@ -88,6 +92,9 @@ class Stage:
     ``grad_bytes`` counts parameter gradients first produced during this stage's backward;
     ``output_grad_bytes`` the activation gradients that later stages have sent back to this stage or earlier ones
     when its backward starts (alive while it is recomputed): on a chain, those of its outputs.
+    ``early_stop_seconds``: what the re-run of this stage skips as the last stage of a region that caches nothing
+    (see :meth:`stopped_seconds`): the forward time of the ops after its last saving op, and of that op itself
+    when it saves only its inputs (autograd saves them before the op runs).
     """
 
     name: str
@@ -101,6 +108,7 @@ class Stage:
     output_grad_bytes: int = 0
     backward_start_workspace_bytes: int = 0
     stopped_rerun_bytes: int | None = None
+    early_stop_seconds: float = 0.0
 
     @property
     def recompute_options(self) -> tuple[RecomputeOption, ...]:
@@ -169,6 +177,20 @@ class Stage:
             return saved_bytes + self.recompute_workspace_of(option)
         return min(through, self.stopped_rerun_bytes)
 
+    def stopped_seconds(self, option: int) -> float:
+        """What the re-run of this stage with ``option`` costs as the last stage of a region that caches nothing:
+        non-reentrant checkpoint stops the re-run once the last saved tensor is made again, so the ops after it
+        never run (``early_stop_seconds`` fewer, never below zero). An option that caches runs on.
+
+        >>> stage = Stage("s", 1.0, 2.0, early_stop_seconds=0.75)
+        >>> stage.stopped_seconds(0), dataclasses.replace(stage, early_stop_seconds=3.0).stopped_seconds(0)
+        (0.25, 0.0)
+        """
+        option_ = self.recompute_options[option]
+        if option_.cached_nodes:
+            return option_.recompute_seconds
+        return max(0.0, option_.recompute_seconds - self.early_stop_seconds)
+
 
 @dataclass(frozen=True)
 class TensorInfo:
@@ -198,6 +220,8 @@ class Problem:
     fixed_bytes: int = 0
     name: str = ""
     region_seconds: float = 0.0  # what each region costs beyond its stages' options: the checkpoint call itself
+    # what checkpointing costs once a step when any region runs, beyond each region's own (see simulate)
+    per_step_seconds: float = 0.0
 
     def __post_init__(self):
         n = len(self.stages)
@@ -423,10 +447,15 @@ def _rerun_bytes(problem: Problem, schedule: Schedule) -> _Rerun:
     return rerun
 
 
+def region_caches(problem: Problem, region: Region) -> bool:
+    """Whether some stage of ``region`` runs with an option that caches: then its re-run goes to its end."""
+    return any(problem.stages[j].recompute_options[region.option_of(j)].cached_nodes for j in region.stages)
+
+
 def _recompute_peak(problem: Problem, region: Region, rerun: _Rerun) -> tuple[int, int]:
     """The most bytes the re-run of ``region`` adds to what is alive as its last stage's backward starts (and to
     its caches), as one stage after another re-runs, and the workspace at that moment."""
-    caches = any(problem.stages[j].recompute_options[region.option_of(j)].cached_nodes for j in region.stages)
+    caches = region_caches(problem, region)
     earlier, best = 0, None
     for j in region.stages:
         stops = j == region.stop - 1 and not caches
@@ -495,15 +524,17 @@ def simulate(problem: Problem, schedule: Schedule) -> Evaluation:
         same_region = k > 0 and owner[k] is not None and owner[k - 1] == owner[k]
         after = held_after[k] + (copies[k - 1] if same_region else 0)
         events.append(MemoryEvent(Phase.BACKWARD, k, fixed + after + grads + ws, after, grads, ws))
-    recompute = recompute_seconds(problem, schedule)
+    recompute = recompute_seconds(problem, schedule) + (problem.per_step_seconds if schedule.regions else 0.0)
     base = sum(s.forward_seconds + s.backward_seconds for s in problem.stages)
     return Evaluation(max(e.total_bytes for e in events), recompute, base + recompute, tuple(events))
 
 
 def recompute_seconds(problem: Problem, schedule: Schedule) -> float:
-    """The time ``schedule``'s regions spend again: :func:`simulate`'s ``recompute_seconds``, without replaying the
-    step (the same sum, stage by stage in order): each stage's option, and ``problem.region_seconds`` per region
-    (counted with its first stage).
+    """The time ``schedule``'s regions spend again, as the solvers count it: each stage's option,
+    ``problem.region_seconds`` per region (counted with its first stage), and a region that caches nothing stops
+    early in its last stage (:meth:`Stage.stopped_seconds`). :func:`simulate`'s ``recompute_seconds`` is this and,
+    when there is a region, ``problem.per_step_seconds``: the same for every plan that checkpoints, so the
+    solvers leave it out.
 
     >>> stages = tuple(Stage(f"s{i}", forward_seconds=1.0, backward_seconds=2.0) for i in range(3))
     >>> recompute_seconds(Problem(stages, ()), Schedule.from_segments([(0, 2)]))
@@ -512,18 +543,28 @@ def recompute_seconds(problem: Problem, schedule: Schedule) -> float:
     2.25
     >>> recompute_seconds(Problem(stages, (), region_seconds=0.25), Schedule.from_segments([(0, 1), (1, 2)]))
     2.5
+    >>> stopping = tuple(dataclasses.replace(s, early_stop_seconds=0.5) for s in stages)
+    >>> recompute_seconds(Problem(stopping, ()), Schedule.from_segments([(0, 2)]))
+    1.5
+    >>> once = Problem(stages, (), per_step_seconds=0.5)
+    >>> recompute_seconds(once, Schedule.uniform(3)), simulate(once, Schedule.uniform(3)).recompute_seconds
+    (3.0, 3.5)
     """
     return sum(stage_recompute_seconds(problem, r, k) for r in schedule.regions for k in r.stages)
 
 
-def stage_recompute_seconds(problem: Problem, region: Region, k: int) -> float:
-    """What stage ``k`` of ``region`` spends again: its option's recompute seconds, and for the region's first
-    stage ``problem.region_seconds`` (the region's own cost).
+def stage_recompute_seconds(problem: Problem, region: Region, k: int, caches: bool | None = None) -> float:
+    """What stage ``k`` of ``region`` spends again: its option's recompute seconds (stopped early when it ends a
+    region that caches nothing: :meth:`Stage.stopped_seconds`), and for the region's first stage
+    ``problem.region_seconds`` (the region's own cost). ``caches``: whether the region caches, when known.
 
-    >>> stages = tuple(Stage(f"s{i}", forward_seconds=1.0, backward_seconds=2.0) for i in range(2))
+    >>> stages = tuple(Stage(f"s{i}", 1.0, 2.0, early_stop_seconds=0.25) for i in range(2))
     >>> problem = Problem(stages, (), region_seconds=0.25)
     >>> [stage_recompute_seconds(problem, Region(0, 2), k) for k in (0, 1)]
-    [1.25, 1.0]
+    [1.25, 0.75]
     """
     own = problem.region_seconds if k == region.start else 0.0
-    return problem.stages[k].recompute_options[region.option_of(k)].recompute_seconds + own
+    stage, option = problem.stages[k], region.option_of(k)
+    if k == region.stop - 1 and not (region_caches(problem, region) if caches is None else caches):
+        return stage.stopped_seconds(option) + own
+    return stage.recompute_options[option].recompute_seconds + own

@@ -2,7 +2,8 @@
 
 ``random_chain`` builds problems where :meth:`Problem.is_chain` holds; ``random_dag`` adds tensors with several
 consumers far ahead (skip connections), savers that are not readers, outputs and shared nodes. Option 0 of every
-stage recomputes everything at the stage's forward time; later options cache some of the stage's nodes.
+stage recomputes everything at the stage's forward time (less what half the stages skip when their region caches
+nothing and stops early after them); later options cache some of the stage's nodes.
 
 >>> problem = random_chain(4, seed=1)
 >>> problem.is_chain(), problem.num_stages
@@ -44,6 +45,8 @@ def _stage(rng: random.Random, k: int, nodes: list[str], num_options: int, unit:
     # drawn apart, so that the other draws stay as they were: what the re-run holds when its region stops after it
     stopped = random.Random(f"stopped/{k}/{forward}").choice([None, None, 0, 5, 15, 40])
     optional["stopped_rerun_bytes"] = None if stopped is None else unit * stopped
+    # what its re-run skips when its region caches nothing and stops after it: none, some, or all of its forward
+    optional["early_stop_seconds"] = random.Random(f"early/{k}/{forward}").choice([0.0, 0.0, 0.3, 1.0]) * forward
     extra = {name: value for name, value in optional.items() if name in _STAGE_FIELDS}
     return Stage(f"s{k}", forward_seconds=forward, backward_seconds=round(2 * forward, 3),
                  grad_bytes=unit * rng.choice([0, 0, 1, 3]),

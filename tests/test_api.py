@@ -5,6 +5,7 @@ import torch
 
 import planner
 from planner.errors import InfeasibleBudgetError, PlannerError
+from planner.problem import Region, Schedule, simulate
 from planner.timing import Estimate
 from tests.helpers import assert_same_training, training_step
 
@@ -175,11 +176,12 @@ def test_a_calibration_that_cannot_tell_recomputation_from_free_is_ignored(monke
 
 @pytest.mark.parametrize("excess", [0.05, 0.2, 0.5, 0.95])
 def test_calibration_times_plain_checkpointing_apart_from_the_caching_options(monkeypatch, excess):
-    """Eager against plain checkpointing of every other stage and of pairs of stages in rounds of their own (as a
-    training loop runs it), then eager against every other caching stage's option that caches the most; that
-    excess is scaled to the first eager median (timings scripted). The measured totals hold for the stages timed,
-    each region's own cost included, whether they fall short of the profile's forward times (5%) or exceed them
-    (95%), and the stages between pay at the same rate."""
+    """Eager against plain checkpointing of every other stage, of pairs of stages and of one stage alone in rounds
+    of their own (as a training loop runs it), then eager against every other caching stage's option that caches
+    the most; that excess is scaled to the first eager median (timings scripted). The measured totals hold for the
+    stages timed (each region stopping early), each region's own cost and the cost per step included, whether
+    they fall short of the profile's forward times (5%) or exceed them (95%), and the stages between pay at the
+    same rate."""
     import planner.api as api
     from planner.capture import capture
 
@@ -196,16 +198,17 @@ def test_calibration_times_plain_checkpointing_apart_from_the_caching_options(mo
 
     monkeypatch.setattr(api, "paired_step_seconds", scripted)
     problem = api.pose(captured, profile_repeats=1).problem
-    assert groups == [["eager", "checkpoint", "pairs"], ["eager", "caching"]]
+    assert groups == [["eager", "checkpoint", "pairs", "single"], ["eager", "caching"]]
     step = sum(s.forward_seconds + s.backward_seconds for s in problem.stages)
     assert step == pytest.approx(1.0)  # scaled to the first eager median
     timed = api._apart(range(problem.num_stages))
     assert len(timed) < problem.num_stages
     plain = [s.recompute_options[0].recompute_seconds for s in problem.stages]
-    assert sum(plain[k] for k in timed) + len(timed) * problem.region_seconds == pytest.approx(excess)
+    apart = Schedule.from_segments([(k, k + 1) for k in timed])
+    assert simulate(problem, apart).recompute_seconds == pytest.approx(excess)
     saved = [sum(1 for t in problem.tensors if k in t.savers) for k in range(problem.num_stages)]
     forward = [s.forward_seconds for s in problem.stages]
-    if excess > sum(forward[k] for k in timed):  # the machinery's: the same rate per saved tensor
+    if plain[0] > forward[0]:  # the machinery's: the same rate per saved tensor
         charged, weight = [p - f for p, f in zip(plain, forward)], saved
     else:  # the nodes' times over-count: every stage shrinks in the same proportion
         charged, weight = plain, forward
@@ -214,8 +217,9 @@ def test_calibration_times_plain_checkpointing_apart_from_the_caching_options(mo
     caching = {k: problem.stages[k].recompute_options[api._most_cached(problem.stages[k])] for k in caching_stages}
     assert caching and all(o.cached_nodes for o in caching.values())
     timed_caching = api._apart(caching_stages)
-    assert sum(caching[k].recompute_seconds + problem.region_seconds
-               for k in timed_caching) == pytest.approx(excess)  # of the first eager step
+    caching_schedule = Schedule(tuple(Region(k, k + 1, (api._most_cached(problem.stages[k]),))
+                                      for k in timed_caching))
+    assert simulate(problem, caching_schedule).recompute_seconds == pytest.approx(excess)  # of the first eager step
 
 
 def test_a_noisy_shortfall_does_not_make_recomputation_free(monkeypatch):
@@ -239,7 +243,8 @@ def test_a_noisy_shortfall_does_not_make_recomputation_free(monkeypatch):
 
     def pose_with(checkpoint: Estimate, caching: Estimate):
         def scripted(steps, *args, **kwargs):
-            return {"eager": Estimate(1.0, 0.01), **({"checkpoint": checkpoint, "pairs": checkpoint}
+            return {"eager": Estimate(1.0, 0.01), **({"checkpoint": checkpoint, "pairs": checkpoint,
+                                                       "single": checkpoint}
                                                       if "checkpoint" in steps else {"caching": caching})}
         monkeypatch.setattr(api, "paired_step_seconds", scripted)
         shares.clear()
@@ -247,7 +252,8 @@ def test_a_noisy_shortfall_does_not_make_recomputation_free(monkeypatch):
 
     noisy = pose_with(Estimate(0.03, 0.005), Estimate(0.0, 0.3))
     timed = api._apart(range(noisy.num_stages))
-    assert sum(noisy.stages[k].recompute_options[0].recompute_seconds for k in timed) == pytest.approx(0.04)
+    assert simulate(noisy, Schedule.from_segments([(k, k + 1) for k in timed])).recompute_seconds \
+        == pytest.approx(0.04)
     assert shares and all(share == pytest.approx(0, abs=1e-12) for share in shares)
     pose_with(Estimate(0.03, 0.005), Estimate(-0.5, 0.01))
     assert shares and all(share <= 0 for share in shares) and any(share < 0 for share in shares)

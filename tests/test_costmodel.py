@@ -370,3 +370,20 @@ def test_a_gradient_sent_back_past_a_stage_counts_while_it_is_recomputed():
     predicted = max(p.total_bytes for p in timeline.predicted if p.phase is Phase.RECOMPUTE)
     measured = max(p.total_bytes for p in timeline.measured if p.phase is Phase.RECOMPUTE)
     assert measured <= predicted <= measured + 2 * 256 * 32 * 4, (predicted, measured)
+
+
+def test_a_region_that_stops_early_skips_its_last_linear_layer(tower):
+    """A block ends in a linear layer and the residual add: the layer saves only its input, before it runs, so a
+    region ending with the block stops before running either (``Stage.early_stop_seconds``); the rest re-runs."""
+    _, _, _, profile = tower
+    stages = partition_stages(profile)
+    problem = build_problem(profile, stages, random_nodes=set())
+    by_name = {n.name: n for n in profile.nodes}
+    for spec, stage in zip(stages, problem.stages):
+        if not spec.name.startswith("blocks."):
+            continue
+        nodes = [by_name[x] for x in spec.nodes]
+        last_linear = max(i for i, n in enumerate(nodes) if n.flops > 0)
+        assert nodes[last_linear].module_path.endswith(".3") and nodes[last_linear].made_by_last_save == 0
+        assert stage.early_stop_seconds == pytest.approx(sum(n.seconds for n in nodes[last_linear:]))
+        assert 0 < stage.stopped_seconds(0) < stage.recompute_options[0].recompute_seconds

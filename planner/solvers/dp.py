@@ -63,7 +63,8 @@ import numpy as np
 
 from ..errors import PlannerError
 from ..plan import Plan, SolverStatus
-from ..problem import Problem, Region, Schedule, Stage, TensorInfo, recompute_seconds, simulate
+from ..problem import Problem, Region, Schedule, Stage, TensorInfo, recompute_seconds, simulate, \
+    stage_recompute_seconds
 from .baselines import chen_sqrt, infeasible_budget_error, store_all, uniform
 from .ilp import unheld_forward_until
 
@@ -193,6 +194,7 @@ class _Tables:
     sums: tuple[_StageSums, ...]
     pending: dict[tuple[int, int, str], "_Pending"]  # (i, how stage i-1 ran, kind at i) -> stage i-1's tensors
     option_seconds: tuple[tuple[float, ...], ...]
+    stop_skips: tuple[tuple[float, ...], ...]  # per option: what a region that caches nothing saves ending there
     optimistic: bool = False  # round what H gains down instead of up: a relaxation, for lower bounds
 
     def units(self, nbytes):
@@ -204,6 +206,11 @@ class _Tables:
 
     def seconds(self, k: int, option: int) -> float:
         return self.option_seconds[k][option]
+
+    def stop_skip(self, k: int, option: int) -> float:
+        """What a region that caches nothing saves when it ends at stage ``k`` run with ``option`` (see
+        ``Stage.stopped_seconds``; 0 for an option that caches)."""
+        return self.stop_skips[k][option]
 
 
 
@@ -242,7 +249,9 @@ def _tables(problem: Problem, unit: int, optimistic: bool = False) -> _Tables:
         tuple(_quantized(_stage_sums(tuple(locals_[k]), stages[k],
                                      _rerun(tuple(locals_[k]), tuple(pinned[k]), stages[k], k)), unit, optimistic)
               for k in range(n)),
-        pending, tuple(tuple(o.recompute_seconds for o in s.recompute_options) for s in stages), optimistic)
+        pending, tuple(tuple(o.recompute_seconds for o in s.recompute_options) for s in stages),
+        tuple(tuple(o.recompute_seconds - s.stopped_seconds(i) for i, o in enumerate(s.recompute_options))
+              for s in stages), optimistic)
 
 
 def _quantized(sums: _StageSums, unit: int, optimistic: bool) -> _StageSums:
@@ -441,6 +450,9 @@ class _Region:
         self.tables, self.i, self.budget, self.limit = tables, i, budget, limit
         self.ceiling = ceiling  # regions slower than this cannot be part of a plan worth finding
         self.track_time = track_time  # False: seconds play no part (when minimising the peak)
+        # an open region may still end where stopping early saves this much: kept while within the ceiling by that
+        self.open_ceiling = ceiling + max((max(s) for s in tables.stop_skips[i:]), default=0.0) if track_time \
+            else ceiling
         self.cap = budget if budget is not None else float("inf")
         self.backward = backward
         self.exact = True
@@ -484,7 +496,7 @@ class _Region:
             start = t.start_base[i] + t.sums[i].saved_self + copies
             forward_first = t.sums[i].forward_inner[o]
             seconds = self._first_seconds(o)
-            if seconds > self.ceiling:
+            if seconds > self.open_ceiling:
                 continue
             caches = t.sums[i].rerun.caching[o]
             if self.backward is None:
@@ -505,7 +517,7 @@ class _Region:
         forward_bases = [t.fwd_base[k] + here.forward_inner[o2] for o2 in t.options(k)]
         seconds = [self._seconds(k, o2) for o2 in t.options(k)]
         extra = here.next_holder_matters
-        cap, budget, unit, ceiling, lean = self.cap, self.budget, t.unit, self.ceiling, t.optimistic
+        cap, budget, unit, ceiling, lean = self.cap, self.budget, t.unit, self.open_ceiling, t.optimistic
         simple = not t.pinned[k]
         shared = self.backward is not None
         out = []
@@ -546,10 +558,15 @@ class _Region:
         return self._prune(out)
 
     def close(self, points: list[_Open], e: int, kind: str) -> list[_Closed]:
-        """End every open region at ``e``; ``kind`` is what follows (stored, region or none)."""
+        """End every open region at ``e``; ``kind`` is what follows (stored, region or none). A region that caches
+        nothing stops its re-run early in ``e`` (``Stage.stopped_seconds``; in a relaxation, whose stages never
+        cache for the re-run's bytes, every region whose last option caches nothing: :func:`_relaxed_seconds`)."""
         t, i = self.tables, self.i
         closed = []
         for point in points:
+            seconds = point.seconds
+            if self.track_time and not point.caches:
+                seconds -= t.stop_skip(e, point.options[-1])
             o = point.options[-1]
             own = t.sums[e].rerun  # cached pinned tensors count once, as held from their producer on (rec_base)
             rerun = max(point.rerun, point.left + (own.through[o] if point.caches else own.stopped[o]))
@@ -564,10 +581,10 @@ class _Region:
             if self.backward is None:
                 need = self._canonical(max(forward, recompute))
                 if self._fits(need):
-                    closed.append(_Closed(point.cached, need, self._canonical(forward_first), point.seconds,
+                    closed.append(_Closed(point.cached, need, self._canonical(forward_first), seconds,
                                           point.options))
             elif (needs := self._shared_needs(forward, max(point.need_back, recompute))) is not None:
-                closed.append(_Closed(point.cached, needs[0], self._canonical(forward_first), point.seconds,
+                closed.append(_Closed(point.cached, needs[0], self._canonical(forward_first), seconds,
                                       point.options, needs[1]))
         return _closed_front(closed)
 
@@ -629,7 +646,7 @@ def _signature(tables: _Tables, k: int) -> tuple | None:
     Seconds are compared to 12 digits: sums of the same times in another order differ in the last bits."""
     if tables.pinned[k]:
         return None
-    return tables.sums[k], tuple(float(f"{s:.12g}") for s in tables.option_seconds[k])
+    return tables.sums[k], tuple(float(f"{s:.12g}") for s in (*tables.option_seconds[k], *tables.stop_skips[k]))
 
 
 def _repeats(tables: _Tables) -> dict[int, _Repeat]:
@@ -730,9 +747,10 @@ class _Shared:
 
 def _shifted_need(point: _Open | _Closed, shift: int, region: _Region) -> int | None:
     """A shared program's point as ``region``'s start sees it (backward needs ``shift`` bytes apart): its need,
-    or None when it does not fit that start's budget and ceiling."""
+    or None when it does not fit that start's budget and ceiling (an open region's, which may still stop early)."""
     need = max(point.need, point.need_back + shift)
-    return region._canonical(need) if region._fits(need) and point.seconds <= region.ceiling else None
+    ceiling = region.open_ceiling if isinstance(point, _Open) else region.ceiling
+    return region._canonical(need) if region._fits(need) and point.seconds <= ceiling else None
 
 
 def _shifted_closed(closed: list[_Closed], shift: int, region: _Region) -> list[_Closed]:
@@ -1292,8 +1310,8 @@ class _Search:
 
 def _first_ceiling(problem: Problem) -> float:
     """The fastest single recomputation: no plan that recomputes anything is faster."""
-    positive = [o.recompute_seconds for stage in problem.stages for o in stage.recompute_options
-                if o.recompute_seconds > 0]
+    positive = [s for stage in problem.stages for o in range(len(stage.recompute_options))
+                if (s := stage.stopped_seconds(o)) > 0]
     return min(positive, default=0.0)
 
 
@@ -1372,7 +1390,23 @@ def _relaxed_optimum(problem: Problem, budget_bytes: int, search: _Search,
         return ceiling, None
     # with merged points the schedule's memory may be optimistic, but its seconds are the program's optimum
     # (a merged point keeps its fastest member's options and seconds); the caller checks that it fits
-    return recompute_seconds(relaxed, schedule), schedule
+    return _relaxed_seconds(relaxed, schedule), schedule
+
+
+def _relaxed_seconds(problem: Problem, schedule: Schedule) -> float:
+    """``schedule``'s recompute seconds as a relaxation's program counts them: its stages never cache for the
+    re-run's bytes, so every region whose last option caches nothing stops early (never more than the seconds
+    the schedule takes, so its optimum stays a lower bound).
+
+    >>> from planner.problem import RecomputeOption, Stage
+    >>> options = (RecomputeOption("recompute_all", frozenset(), 2.0), RecomputeOption("c", frozenset("a"), 1.0))
+    >>> problem = Problem(tuple(Stage(f"s{i}", 2.0, 4.0, options=options, early_stop_seconds=0.5)
+    ...                         for i in range(2)), ())
+    >>> schedule = Schedule((Region(0, 2, (1, 0)),))
+    >>> _relaxed_seconds(problem, schedule), recompute_seconds(problem, schedule)
+    (2.5, 3.0)
+    """
+    return sum(stage_recompute_seconds(problem, r, k, caches=False) for r in schedule.regions for k in r.stages)
 
 
 def relative_gap(seconds: float, bound: float | None) -> float | None:

@@ -44,9 +44,11 @@ every stage; per stage from the last, the recomputation (fixed + later gradients
 for a cached tensor that only its own stage reads: ``rerun[k]`` counts it while it lives) + ``rerun[k]``; where
 ``k`` ends no region this is at most the backward start), the backward start (fixed + later gradients
 + ``start`` + copies) and the backward once done (fixed + gradients so far + backward workspace + ``after`` + copies
-still needed). Objective: the recompute seconds of the chosen options, and ``Problem.region_seconds`` per region
-(``sum_k e[k]``). Tensors with identical rules are summed into one group, and tensors whose liveness no decision
-changes (model outputs, tensors nothing can hold) are constants.
+still needed). Objective: the recompute seconds of the chosen options, ``Problem.region_seconds`` per region
+(``sum_k e[k]``), less what a region that caches nothing skips by stopping early in its last stage ``k``
+(``Stage.stopped_seconds``: ``stops[k] <= e[k]``, ``stops[k] <= 1 - caches[k]``, rewarded). Tensors with
+identical rules are summed into one group, and tensors whose liveness no decision changes (model outputs, tensors
+nothing can hold) are constants.
 
 :func:`encoded_peak` evaluates this encoding on a given schedule without a solver; the tests check it equals
 ``simulate`` on random schedules, and :func:`solve_ilp` checks it on every solution.
@@ -203,6 +205,8 @@ class Encoding:
             self.model += self.share[k] <= self.recomputed(k), f"share_left_{k}"
             self.model += self.share[k] <= self.recomputed(k + 1), f"share_right_{k}"
         self.groups = group_tensors(problem)
+        self.caches: list = []  # caches[k]: whether k's region caches, up to k (set with the re-run peaks)
+        self._stops: dict[int, pulp.LpVariable] = {}
         self.events = self._events()
 
     # decisions and what follows from them
@@ -384,6 +388,7 @@ class Encoding:
         n = self.problem.num_stages
         reruns = [self._rerun_bytes(k) for k in range(n)]
         caches = self._caches_so_far(reruns)
+        self.caches = caches
         kept_before, most_before = self._kept_before(reruns)
         inside_from, most_inside = self._inside_from(reruns)
         through = [self._at_least_or_zero(f"through_{j}", [kept_before[j] + self._over_options(j, r.through)
@@ -403,6 +408,18 @@ class Encoding:
                 bounds.append(through[j] + output_grads - (most_through[j] + output_grads) * (1 - together))
             peaks.append(self.at_least(f"rerun_{k}", bounds))
         return peaks
+
+    def stops_early(self, k: int) -> pulp.LpVariable | Expr:
+        """At most 1 when a region that caches nothing ends at ``k`` (its re-run stops early there), else at most
+        0: an objective that rewards it pushes it up to that."""
+        if k in self._stops:
+            return self._stops[k]
+        stops = pulp.LpVariable(f"stops_{k}", lowBound=0, upBound=1)
+        self.model += stops <= self.region_end(k), f"stops_le_end_{k}"
+        if not isinstance(self.caches[k], int):
+            self.model += stops <= 1 - self.caches[k], f"stops_le_plain_{k}"
+        self._stops[k] = stops
+        return stops
 
     # events
     def _events(self) -> tuple[Event, ...]:
@@ -474,6 +491,10 @@ class Encoding:
         values = self.decision_values(schedule)
         for name in self.lower_bounds:  # created in dependency order: bounds only use earlier variables
             values[name] = max([0.0] + [_evaluate(b, values) for b in self.lower_bounds[name]])
+        for k, stops in self._stops.items():
+            caches = self.caches[k]
+            plain = 1.0 - (caches if isinstance(caches, int) else values[caches.name])
+            values[stops.name] = min(_evaluate(pulp.LpAffineExpression(self.region_end(k)), values), plain)
         return values
 
     def event_values(self, values: dict[str, float]) -> list[float]:
@@ -603,10 +624,12 @@ def _budget_model(problem: Problem, budget_bytes: int) -> Encoding:
         encoding.model += (1.0 / unit) * event.bytes <= budget_bytes / unit, f"budget_{i}"
     seconds = [o.recompute_seconds for s in problem.stages for o in s.recompute_options] + [problem.region_seconds]
     scale = max(max(seconds, default=1.0), 1e-12)
+    skips = [s.recompute_options[0].recompute_seconds - s.stopped_seconds(0) for s in problem.stages]
     encoding.model += pulp.lpSum([o.recompute_seconds / scale * encoding.choose[k][i]
                                   for k, s in enumerate(problem.stages) for i, o in enumerate(s.recompute_options)]
                                  + [problem.region_seconds / scale * encoding.region_end(k)
-                                    for k in range(problem.num_stages) if problem.region_seconds])
+                                    for k in range(problem.num_stages) if problem.region_seconds]
+                                 + [-skip / scale * encoding.stops_early(k) for k, skip in enumerate(skips) if skip])
     return encoding
 
 
