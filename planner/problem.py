@@ -556,7 +556,8 @@ def recompute_seconds(problem: Problem, schedule: Schedule) -> float:
 def stage_recompute_seconds(problem: Problem, region: Region, k: int, caches: bool | None = None) -> float:
     """What stage ``k`` of ``region`` spends again: its option's recompute seconds (stopped early when it ends a
     region that caches nothing: :meth:`Stage.stopped_seconds`), and for the region's first stage
-    ``problem.region_seconds`` (the region's own cost). ``caches``: whether the region caches, when known.
+    ``problem.region_seconds`` (the region's own cost). ``caches``: whether to count the region as caching
+    (default: whether its options do; a relaxation passes False).
 
     >>> stages = tuple(Stage(f"s{i}", 1.0, 2.0, early_stop_seconds=0.25) for i in range(2))
     >>> problem = Problem(stages, (), region_seconds=0.25)

@@ -319,3 +319,18 @@ def test_a_shared_program_bounds_exactly_as_one_program_per_start(n, seed, monke
     for budget, bound in zip(budgets, shared):
         optimum = solve_dp(problem, budget, front_limit=4096)
         assert optimum.status is SolverStatus.OPTIMAL and bound <= optimum.predicted_recompute_seconds + 1e-9
+
+
+def test_the_cost_per_step_is_predicted_but_leaves_the_choice_and_the_proof_alone():
+    """``Problem.per_step_seconds`` is the same for every plan that checkpoints: the solvers choose and prove as
+    without it, and their plans predict it (bound included)."""
+    problem = random_chain(6, 2)
+    once = dataclasses.replace(problem, per_step_seconds=0.75)
+    budget = minimum_peak(problem) + (simulate(problem, Schedule()).peak_bytes - minimum_peak(problem)) // 3
+    for solve in (solve_dp, solve_ilp):
+        plain, charged = solve(problem, budget), solve(once, budget)
+        assert charged.schedule == plain.schedule and charged.status == plain.status == SolverStatus.OPTIMAL
+        assert charged.predicted_recompute_seconds == pytest.approx(plain.predicted_recompute_seconds + 0.75)
+        assert charged.lower_bound_seconds == pytest.approx(charged.predicted_recompute_seconds)
+    eager = solve_dp(once, simulate(problem, Schedule()).peak_bytes)
+    assert not eager.regions and eager.predicted_recompute_seconds == 0.0
