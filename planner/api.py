@@ -259,6 +259,7 @@ def _calibrate_checkpoint_overheads(captured: CapturedGraph, problem: Problem, s
     if len(timed_stages) > 1:  # one region alone: what checkpointing costs once a step
         middle = timed_stages[len(timed_stages) // 2]
         schedules["single"] = Schedule((Region(middle, middle + 1),))
+    plain = [name for name in ("checkpoint", "pairs", "single") if name in schedules]  # timed together, fitted
     if caching:
         schedules["caching"] = Schedule(tuple(Region(k, k + 1, (i,)) for k, i in zip(caching, most_cached)
                                               if k in timed_caching))
@@ -288,7 +289,7 @@ def _calibrate_checkpoint_overheads(captured: CapturedGraph, problem: Problem, s
                                    max_seconds=CALIBRATION_SECONDS)
 
     with preserved_training_state(captured.graph_module):
-        extra = timed(["eager", *(name for name in ("checkpoint", "pairs", "single") if name in schedules)])
+        extra = timed(["eager", *plain])
         if caching:
             with_caching = timed(["eager", "caching"])
             to_first_eager = extra["eager"].median / with_caching["eager"].median
@@ -301,9 +302,8 @@ def _calibrate_checkpoint_overheads(captured: CapturedGraph, problem: Problem, s
         problem = scale_seconds(problem, extra["eager"].median / eager)
     saved_counts = [sum(1 for t in problem.tensors if k in t.savers) for k in range(n)]
     alone = [s.stopped_seconds(0) for s in problem.stages]  # each stage re-run as a region of its own (stops early)
-    fitted = [name for name in ("checkpoint", "pairs", "single") if name in schedules]
-    per_step, per_region = _fixed_costs([extra[name] for name in fitted], [schedules[name] for name in fitted],
-                                        [recompute_seconds(problem, schedules[name]) for name in fitted], saved_counts)
+    per_step, per_region = _fixed_costs([extra[name] for name in plain], [schedules[name] for name in plain],
+                                        [recompute_seconds(problem, schedules[name]) for name in plain], saved_counts)
     problem = dataclasses.replace(problem, region_seconds=per_region, per_step_seconds=per_step)
     hooks = _correction(extra["checkpoint"].less(per_step + len(timed_stages) * per_region), alone, saved_counts,
                         timed=timed_stages)

@@ -191,6 +191,15 @@ class Stage:
             return option_.recompute_seconds
         return max(0.0, option_.recompute_seconds - self.early_stop_seconds)
 
+    def stop_saving(self, option: int) -> float:
+        """What stopping early saves on this stage's re-run with ``option`` (see :meth:`stopped_seconds`): what
+        the solvers take off when a region that caches nothing ends here.
+
+        >>> Stage("s", 1.0, 2.0, early_stop_seconds=0.25).stop_saving(0)
+        0.25
+        """
+        return self.recompute_options[option].recompute_seconds - self.stopped_seconds(option)
+
 
 @dataclass(frozen=True)
 class TensorInfo:

@@ -250,8 +250,7 @@ def _tables(problem: Problem, unit: int, optimistic: bool = False) -> _Tables:
                                      _rerun(tuple(locals_[k]), tuple(pinned[k]), stages[k], k)), unit, optimistic)
               for k in range(n)),
         pending, tuple(tuple(o.recompute_seconds for o in s.recompute_options) for s in stages),
-        tuple(tuple(o.recompute_seconds - s.stopped_seconds(i) for i, o in enumerate(s.recompute_options))
-              for s in stages), optimistic)
+        tuple(tuple(s.stop_saving(o) for o in range(len(s.recompute_options))) for s in stages), optimistic)
 
 
 def _quantized(sums: _StageSums, unit: int, optimistic: bool) -> _StageSums:

@@ -624,7 +624,7 @@ def _budget_model(problem: Problem, budget_bytes: int) -> Encoding:
         encoding.model += (1.0 / unit) * event.bytes <= budget_bytes / unit, f"budget_{i}"
     seconds = [o.recompute_seconds for s in problem.stages for o in s.recompute_options] + [problem.region_seconds]
     scale = max(max(seconds, default=1.0), 1e-12)
-    skips = [s.recompute_options[0].recompute_seconds - s.stopped_seconds(0) for s in problem.stages]
+    skips = [s.stop_saving(0) for s in problem.stages]
     encoding.model += pulp.lpSum([o.recompute_seconds / scale * encoding.choose[k][i]
                                   for k, s in enumerate(problem.stages) for i, o in enumerate(s.recompute_options)]
                                  + [problem.region_seconds / scale * encoding.region_end(k)
