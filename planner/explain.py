@@ -30,8 +30,9 @@ total     2 of 3 recomputed                         36.00 KiB     56.00 KiB    2
 predicted peak 49.77 KiB (76% of eager 65.77 KiB), +13.9% step time
 kept: bytes a stage holds from its forward for its backward; a checkpoint region's inputs count for its first
 stage, and a tensor that two stages save counts for both. recompute: what the stage's forward costs again;
-a region's first stage also counts what the region's checkpoint costs itself, and the last stage of a region with no
-cached node re-runs only up to its last op that saves a tensor.
+a region's first stage also counts what the region's checkpoint costs itself; the last stage of a region with no
+cached node re-runs only up to its last op that saves a tensor, and that of a region with one counts what caching
+costs the region.
 tensors: listed under the stage that makes them, largest first, with the module and the time of the op that
 makes them; a region input is held by the checkpoint of a later region that reads it; cached ones are held,
 and the recomputation takes them instead of remaking them.
@@ -48,8 +49,9 @@ _COLUMNS = ("stage", "decision", "kept (plan)", "kept (eager)", "recompute")
 _RIGHT = (False, False, True, True, True)
 _NOTE = ("kept: bytes a stage holds from its forward for its backward; a checkpoint region's inputs count for its "
          "first\nstage, and a tensor that two stages save counts for both. recompute: what the stage's forward "
-         "costs again;\na region's first stage also counts what the region's checkpoint costs itself, and the "
-         "last stage of a region with no\ncached node re-runs only up to its last op that saves a tensor.")
+         "costs again;\na region's first stage also counts what the region's checkpoint costs itself; the "
+         "last stage of a region with no\ncached node re-runs only up to its last op that saves a tensor, and "
+         "that of a region with one counts what caching\ncosts the region.")
 _FATE_WIDTH = max(len(f.value) for f in TensorFate)
 _TENSOR_NOTE = ("tensors: listed under the stage that makes them, largest first, with the module and the time of "
                 "the op that\nmakes them; a region input is held by the checkpoint of a later region that reads it; "

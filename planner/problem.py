@@ -42,7 +42,8 @@ workspace of its stage inside a region, where what the stage saves is not kept a
 
 Time: each recomputed stage costs its option's recompute seconds, but the last stage of a region that caches
 nothing only up to its last saving op (:meth:`Stage.stopped_seconds`); each region costs ``region_seconds`` itself,
-and a step with any region ``per_step_seconds`` (:func:`recompute_seconds`, :func:`simulate`).
+a region that caches ``caching_region_seconds`` more (the selective checkpoint's dispatch modes), and a step with
+any region ``per_step_seconds`` (:func:`recompute_seconds`, :func:`simulate`).
 
 >>> stages = tuple(Stage(f"s{i}", forward_seconds=1.0, backward_seconds=2.0) for i in range(3))
 >>> tensors = tuple(TensorInfo(f"t{i}", 100, producer=i, consumers=frozenset({i + 1}) if i < 2 else frozenset(),
@@ -231,6 +232,9 @@ class Problem:
     region_seconds: float = 0.0  # what each region costs beyond its stages' options: the checkpoint call itself
     # what checkpointing costs once a step when any region runs, beyond each region's own (see simulate)
     per_step_seconds: float = 0.0
+    # what a region that caches costs beyond region_seconds and its options: the selective checkpoint's dispatch
+    # modes, which see every op of the region in the forward and in the re-run
+    caching_region_seconds: float = 0.0
 
     def __post_init__(self):
         n = len(self.stages)
@@ -540,8 +544,9 @@ def simulate(problem: Problem, schedule: Schedule) -> Evaluation:
 
 def recompute_seconds(problem: Problem, schedule: Schedule) -> float:
     """The time ``schedule``'s regions spend again, as the solvers count it: each stage's option,
-    ``problem.region_seconds`` per region (counted with its first stage), and a region that caches nothing stops
-    early in its last stage (:meth:`Stage.stopped_seconds`). :func:`simulate`'s ``recompute_seconds`` is this and,
+    ``problem.region_seconds`` per region (counted with its first stage), ``problem.caching_region_seconds`` per
+    region that caches (counted with its last stage), and a region that caches nothing stops early in its last
+    stage (:meth:`Stage.stopped_seconds`). :func:`simulate`'s ``recompute_seconds`` is this and,
     when there is a region, ``problem.per_step_seconds``: the same for every plan that checkpoints, so the
     solvers leave it out.
 
@@ -564,17 +569,22 @@ def recompute_seconds(problem: Problem, schedule: Schedule) -> float:
 
 def stage_recompute_seconds(problem: Problem, region: Region, k: int, caches: bool | None = None) -> float:
     """What stage ``k`` of ``region`` spends again: its option's recompute seconds (stopped early when it ends a
-    region that caches nothing: :meth:`Stage.stopped_seconds`), and for the region's first stage
-    ``problem.region_seconds`` (the region's own cost). ``caches``: whether to count the region as caching
-    (default: whether its options do; a relaxation passes False).
+    region that caches nothing: :meth:`Stage.stopped_seconds`), for the region's first stage
+    ``problem.region_seconds`` (the region's own cost) and for the last stage of a region that caches
+    ``problem.caching_region_seconds``. ``caches``: whether to count the region as caching (default: whether its
+    options do; a relaxation passes False).
 
     >>> stages = tuple(Stage(f"s{i}", 1.0, 2.0, early_stop_seconds=0.25) for i in range(2))
-    >>> problem = Problem(stages, (), region_seconds=0.25)
+    >>> problem = Problem(stages, (), region_seconds=0.25, caching_region_seconds=0.5)
     >>> [stage_recompute_seconds(problem, Region(0, 2), k) for k in (0, 1)]
     [1.25, 0.75]
+    >>> [stage_recompute_seconds(problem, Region(0, 2), k, caches=True) for k in (0, 1)]
+    [1.25, 1.5]
     """
     own = problem.region_seconds if k == region.start else 0.0
     stage, option = problem.stages[k], region.option_of(k)
-    if k == region.stop - 1 and not (region_caches(problem, region) if caches is None else caches):
+    if k != region.stop - 1:
+        return stage.recompute_options[option].recompute_seconds + own
+    if not (region_caches(problem, region) if caches is None else caches):
         return stage.stopped_seconds(option) + own
-    return stage.recompute_options[option].recompute_seconds + own
+    return stage.recompute_options[option].recompute_seconds + own + problem.caching_region_seconds

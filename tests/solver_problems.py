@@ -56,9 +56,11 @@ def _stage(rng: random.Random, k: int, nodes: list[str], num_options: int, unit:
                  options=_options(rng, k, forward, nodes, num_options, unit), **extra)
 
 
-def _region_seconds(kind: str, n: int, seed: int) -> float:
-    """What each region costs beyond its stages, drawn apart so that the problems' other draws stay as they were."""
-    return random.Random(f"region/{kind}/{n}/{seed}").choice([0.0, 0.0, 0.4, 1.5])
+def _region_seconds(kind: str, n: int, seed: int) -> dict[str, float]:
+    """What each region costs beyond its stages, and each region that caches beyond that, drawn apart so that the
+    problems' other draws stay as they were."""
+    return {"region_seconds": random.Random(f"region/{kind}/{n}/{seed}").choice([0.0, 0.0, 0.4, 1.5]),
+            "caching_region_seconds": random.Random(f"caching/{kind}/{n}/{seed}").choice([0.0, 0.0, 0.3, 1.2])}
 
 
 def random_chain(n: int, seed: int = 0, *, num_options: int = 2, unit: int = 8, outputs: bool = True) -> Problem:
@@ -80,7 +82,7 @@ def random_chain(n: int, seed: int = 0, *, num_options: int = 2, unit: int = 8, 
                                       node=rng.choice(nodes), is_output=True))
         stages.append(_stage(rng, p, nodes, num_options, unit))
     return Problem(tuple(stages), tuple(tensors), fixed_bytes=unit * rng.randint(0, 40), name=f"chain{n}_{seed}",
-                   region_seconds=_region_seconds("chain", n, seed))
+                   **_region_seconds("chain", n, seed))
 
 
 def random_dag(n: int, seed: int = 0, *, num_options: int = 2, unit: int = 8, reach: int = 3) -> Problem:
@@ -98,7 +100,7 @@ def random_dag(n: int, seed: int = 0, *, num_options: int = 2, unit: int = 8, re
                                       node=rng.choice(nodes), is_output=rng.random() < 0.05))
         stages.append(_stage(rng, p, nodes, num_options, unit))
     return Problem(tuple(stages), tuple(tensors), fixed_bytes=unit * rng.randint(0, 40), name=f"dag{n}_{seed}",
-                   region_seconds=_region_seconds("dag", n, seed))
+                   **_region_seconds("dag", n, seed))
 
 
 def all_schedules(problem: Problem) -> list[Schedule]:

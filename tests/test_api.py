@@ -177,11 +177,12 @@ def test_a_calibration_that_cannot_tell_recomputation_from_free_is_ignored(monke
 @pytest.mark.parametrize("excess", [0.05, 0.2, 0.5, 0.95])
 def test_calibration_times_plain_checkpointing_apart_from_the_caching_options(monkeypatch, excess):
     """Eager against plain checkpointing of every other stage, of pairs of stages and of one stage alone in rounds
-    of their own (as a training loop runs it), then eager against every other caching stage's option that caches
-    the most; that excess is scaled to the first eager median (timings scripted). The measured totals hold for the
-    stages timed (each region stopping early), each region's own cost and the cost per step included, whether
-    they fall short of the profile's forward times (5%) or exceed them (95%), and the stages between pay at the
-    same rate."""
+    of their own (as a training loop runs it), then eager against every other caching stage's options that cache
+    the most and the fewest nodes; those excesses are scaled to the first eager median (timings scripted). The
+    measured totals hold for the stages timed (each region stopping early), each region's own cost and the cost per
+    step included, whether they fall short of the profile's forward times (5%) or exceed them (95%), and the stages
+    between pay at the same rate. Where the caches cost more than their nodes' times and both schedules measured
+    the same, the cost splits between each caching region and each cached node, and both totals hold."""
     import planner.api as api
     from planner.capture import capture
 
@@ -189,7 +190,9 @@ def test_calibration_times_plain_checkpointing_apart_from_the_caching_options(mo
     model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(),
                                                       torch.nn.Linear(64, 16), torch.nn.Tanh()) for _ in range(3)])
     captured = capture(model, (torch.randn(8, 16),))
-    groups = []
+    groups, splits = [], []
+    split = api._caching_costs
+    monkeypatch.setattr(api, "_caching_costs", lambda *args: splits.append(split(*args)) or splits[-1])
 
     def scripted(steps, *args, **kwargs):
         groups.append(list(steps))
@@ -198,7 +201,7 @@ def test_calibration_times_plain_checkpointing_apart_from_the_caching_options(mo
 
     monkeypatch.setattr(api, "paired_step_seconds", scripted)
     problem = api.pose(captured, profile_repeats=1).problem
-    assert groups == [["eager", "checkpoint", "pairs", "single"], ["eager", "caching"]]
+    assert groups == [["eager", "checkpoint", "pairs", "single"], ["eager", "caching", "caching_least"]]
     step = sum(s.forward_seconds + s.backward_seconds for s in problem.stages)
     assert step == pytest.approx(1.0)  # scaled to the first eager median
     timed = api._apart(range(problem.num_stages))
@@ -217,9 +220,10 @@ def test_calibration_times_plain_checkpointing_apart_from_the_caching_options(mo
     caching = {k: problem.stages[k].recompute_options[api._most_cached(problem.stages[k])] for k in caching_stages}
     assert caching and all(o.cached_nodes for o in caching.values())
     timed_caching = api._apart(caching_stages)
-    caching_schedule = Schedule(tuple(Region(k, k + 1, (api._most_cached(problem.stages[k]),))
-                                      for k in timed_caching))
-    assert simulate(problem, caching_schedule).recompute_seconds == pytest.approx(excess)  # of the first eager step
+    for option_of in (api._most_cached, api._least_cached)[:1 + bool(splits and all(splits[0]))]:
+        schedule = Schedule(tuple(Region(k, k + 1, (option_of(problem.stages[k]),)) for k in timed_caching))
+        assert simulate(problem, schedule).recompute_seconds == pytest.approx(excess)  # of the first eager step
+    assert (excess < 0.5 or all(splits[0])) and problem.caching_region_seconds == (splits[0][0] if splits else 0)
 
 
 def test_a_noisy_shortfall_does_not_make_recomputation_free(monkeypatch):
@@ -245,7 +249,8 @@ def test_a_noisy_shortfall_does_not_make_recomputation_free(monkeypatch):
         def scripted(steps, *args, **kwargs):
             return {"eager": Estimate(1.0, 0.01), **({"checkpoint": checkpoint, "pairs": checkpoint,
                                                        "single": checkpoint}
-                                                      if "checkpoint" in steps else {"caching": caching})}
+                                                      if "checkpoint" in steps
+                                                      else {"caching": caching, "caching_least": caching})}
         monkeypatch.setattr(api, "paired_step_seconds", scripted)
         shares.clear()
         return api.pose(captured, profile_repeats=1).problem

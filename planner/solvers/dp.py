@@ -559,13 +559,16 @@ class _Region:
     def close(self, points: list[_Open], e: int, kind: str) -> list[_Closed]:
         """End every open region at ``e``; ``kind`` is what follows (stored, region or none). A region that caches
         nothing stops its re-run early in ``e`` (``Stage.stopped_seconds``; in a relaxation, whose stages never
-        cache for the re-run's bytes, every region whose last option caches nothing: :func:`_relaxed_seconds`)."""
+        cache for the re-run's bytes, every region whose last option caches nothing: :func:`_relaxed_seconds`); one
+        that caches costs ``Problem.caching_region_seconds`` more."""
         t, i = self.tables, self.i
         closed = []
         for point in points:
             seconds = point.seconds
             if self.track_time and not point.caches:
                 seconds -= t.stop_skip(e, point.options[-1])
+            elif self.track_time:
+                seconds += t.problem.caching_region_seconds
             o = point.options[-1]
             own = t.sums[e].rerun  # cached pinned tensors count once, as held from their producer on (rec_base)
             rerun = max(point.rerun, point.left + (own.through[o] if point.caches else own.stopped[o]))

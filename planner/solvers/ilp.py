@@ -46,8 +46,9 @@ for a cached tensor that only its own stage reads: ``rerun[k]`` counts it while 
 + ``start`` + copies) and the backward once done (fixed + gradients so far + backward workspace + ``after`` + copies
 still needed). Objective: the recompute seconds of the chosen options, ``Problem.region_seconds`` per region
 (``sum_k e[k]``), less what a region that caches nothing skips by stopping early in its last stage ``k``
-(``Stage.stopped_seconds``: ``stops[k] <= e[k]``, ``stops[k] <= 1 - caches[k]``, rewarded). Tensors with
-identical rules are summed into one group, and tensors whose liveness no decision changes (model outputs, tensors
+(``Stage.stopped_seconds``: ``stops[k] <= e[k]``, ``stops[k] <= 1 - caches[k]``, rewarded), and
+``Problem.caching_region_seconds`` per region that caches (``caching_end[k] >= e[k] + caches[k] - 1``). Tensors
+with identical rules are summed into one group, and tensors whose liveness no decision changes (model outputs, tensors
 nothing can hold) are constants.
 
 :func:`encoded_peak` evaluates this encoding on a given schedule without a solver; the tests check it equals
@@ -421,6 +422,13 @@ class Encoding:
         self._stops[k] = stops
         return stops
 
+    def caching_end(self, k: int) -> pulp.LpVariable | int:
+        """At least 1 when a region that caches ends at ``k`` (0 when no option up to ``k`` can cache): an
+        objective that charges it pushes it down to that."""
+        if isinstance(self.caches[k], int):
+            return self.caches[k]
+        return self.at_least(f"caching_end_{k}", [self.region_end(k) + self.caches[k] - 1])
+
     # events
     def _events(self) -> tuple[Event, ...]:
         problem, n = self.problem, self.problem.num_stages
@@ -622,14 +630,17 @@ def _budget_model(problem: Problem, budget_bytes: int) -> Encoding:
     unit = _memory_unit(problem)
     for i, event in enumerate(encoding.events):
         encoding.model += (1.0 / unit) * event.bytes <= budget_bytes / unit, f"budget_{i}"
-    seconds = [o.recompute_seconds for s in problem.stages for o in s.recompute_options] + [problem.region_seconds]
+    seconds = [o.recompute_seconds for s in problem.stages for o in s.recompute_options] + [
+        problem.region_seconds, problem.caching_region_seconds]
     scale = max(max(seconds, default=1.0), 1e-12)
     skips = [s.stop_saving(0) for s in problem.stages]
     encoding.model += pulp.lpSum([o.recompute_seconds / scale * encoding.choose[k][i]
                                   for k, s in enumerate(problem.stages) for i, o in enumerate(s.recompute_options)]
                                  + [problem.region_seconds / scale * encoding.region_end(k)
                                     for k in range(problem.num_stages) if problem.region_seconds]
-                                 + [-skip / scale * encoding.stops_early(k) for k, skip in enumerate(skips) if skip])
+                                 + [-skip / scale * encoding.stops_early(k) for k, skip in enumerate(skips) if skip]
+                                 + [problem.caching_region_seconds / scale * encoding.caching_end(k)
+                                    for k in range(problem.num_stages) if problem.caching_region_seconds])
     return encoding
 
 
