@@ -32,7 +32,7 @@ from .devices import DeviceSpec, device_spec
 from .meta import device_type_of, target_kernels
 from .timing import AnalyticStopwatch, Estimate, stopwatch_for
 from .costmodel import (Granularity, add_checkpoint_overheads, build_problem, calibrate, granularity_of, never_cached,
-                        partition_stages, refinement, scale_seconds)
+                        partition_stages, passes_gradient_through, refinement, scale_seconds)
 from .dropout import is_mask, is_state
 from .errors import InfeasibleBudgetError, PlannerError
 from .plan import Plan, SolverStatus, budget_for_usable, usable_bytes
@@ -205,7 +205,9 @@ def pose(captured: CapturedGraph, *, loss_fn: Callable | None = None, optimizer=
     random_nodes = never_cached(nodes) | mutated_nodes(captured.graph_module)
     states = {n.name for n in nodes if is_state(n)}
     masks = {n.name for n in nodes if is_mask(n)}
+    pass_through = {n.name for n in nodes if passes_gradient_through(n)}
     problem = build_problem(profile, stages, random_nodes=random_nodes, always_kept=states, masks=masks,
+                            pass_through=pass_through,
                             extra_fixed_bytes=training_state_bytes(captured.graph_module, optimizer, ddp),
                             name=type(captured.graph_module).__name__, hold_outputs=hold_outputs)
     stage_of = {node: i for i, spec in enumerate(stages) for node in spec.nodes}

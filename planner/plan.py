@@ -188,6 +188,19 @@ def stage_summaries(problem: Problem, schedule: Schedule) -> tuple[StageSummary,
     return tuple(summaries)
 
 
+def relative_gap(seconds: float, bound: float | None) -> float | None:
+    """``(seconds - bound) / seconds``, 0 when both are 0; None without a bound.
+
+    >>> relative_gap(2.0, 1.5), relative_gap(0.0, 0.0), relative_gap(1.0, None)
+    (0.25, 0.0, None)
+    """
+    if bound is None:
+        return None
+    if seconds <= 0:
+        return 0.0
+    return max(0.0, (seconds - bound) / seconds)
+
+
 @dataclass(frozen=True)
 class Plan:
     """The decisions, the stages they refer to, and what the execution model predicts for them."""
@@ -232,10 +245,12 @@ class Plan:
                       budget_bytes: int | None = None, lower_bound_seconds: float | None = None) -> "Plan":
         """Evaluate ``schedule`` on ``problem`` and record the prediction beside the decisions. A solver's
         ``lower_bound_seconds`` leaves out ``problem.per_step_seconds`` (as its objective does); it is added here
-        for a schedule that checkpoints, as in the prediction."""
+        for a schedule that checkpoints, as in the prediction, and the ``gap`` is then taken between the two."""
         evaluation = simulate(problem, schedule)
-        if lower_bound_seconds is not None and schedule.regions:
+        if lower_bound_seconds is not None and schedule.regions and problem.per_step_seconds:
             lower_bound_seconds += problem.per_step_seconds
+            if gap is not None:  # the gap between the prediction and the bound recorded with it
+                gap = relative_gap(evaluation.recompute_seconds, lower_bound_seconds)
         eager = simulate(problem, Schedule.store_all(problem.num_stages))
         regions = tuple(
             PlannedRegion(r.start, r.stop, tuple(sorted(set().union(*(

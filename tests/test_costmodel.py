@@ -387,3 +387,25 @@ def test_a_region_that_stops_early_skips_its_last_linear_layer(tower):
         assert nodes[last_linear].module_path.endswith(".3") and nodes[last_linear].made_by_last_save == 0
         assert stage.early_stop_seconds == pytest.approx(sum(n.seconds for n in nodes[last_linear:]))
         assert 0 < stage.stopped_seconds(0) < stage.recompute_options[0].recompute_seconds
+
+
+def test_a_residual_add_hands_one_gradient_to_both_inputs(tower):
+    """``h + block(h)``: the add's backward gives ``h`` and the block's output the same gradient, so where both
+    cross a stage boundary (from the block's last stage to the add) it counts once; nowhere else changes."""
+    from planner.costmodel import _crossing_gradient_bytes, passes_gradient_through
+
+    _, x, captured, profile = tower
+    stages = partition_stages(profile, granularity=Granularity.SUBLAYER)
+    stage_of = {name: i for i, spec in enumerate(stages) for name in spec.nodes}
+    readers = {}
+    for n in profile.nodes:
+        for key in n.reads:
+            readers.setdefault(key, set()).add(stage_of[n.name])
+    adds = {n.name for n in captured.compute_nodes() if passes_gradient_through(n)}
+    assert len(adds) == 4  # one residual add a block; the stem and head add nothing
+    counted_twice = _crossing_gradient_bytes(profile, stage_of, readers)
+    once = _crossing_gradient_bytes(profile, stage_of, readers, adds)
+    hidden = x.shape[0] * 32 * 4  # one float32 activation of the residual stream
+    differences = {k: counted_twice[k] - once[k] for k in counted_twice if counted_twice[k] != once[k]}
+    assert differences and set(differences.values()) == {hidden}
+    assert all(any(k < stage_of[add] for add in adds) for k in differences)  # only on the way to an add

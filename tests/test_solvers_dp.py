@@ -335,3 +335,13 @@ def test_the_cost_per_step_is_predicted_but_leaves_the_choice_and_the_proof_alon
         assert charged.lower_bound_seconds == pytest.approx(charged.predicted_recompute_seconds)
     eager = solve_dp(once, simulate(problem, Schedule()).peak_bytes)
     assert not eager.regions and eager.predicted_recompute_seconds == 0.0
+
+
+def test_a_plans_gap_is_taken_between_its_prediction_and_its_bound():
+    """With a cost per step, a plan whose bound falls short still reports the gap between the two numbers it
+    records (the solver's objective leaves the cost per step out of both)."""
+    problem = dataclasses.replace(random_chain(14, 4, num_options=3), per_step_seconds=0.75)
+    budget = minimum_peak(problem) + (simulate(problem, Schedule()).peak_bytes - minimum_peak(problem)) // 4
+    cut = solve_dp(problem, budget, front_limit=2)
+    assert cut.status == SolverStatus.FEASIBLE and cut.gap > 0
+    assert cut.gap == pytest.approx(relative_gap(cut.predicted_recompute_seconds, cut.lower_bound_seconds), rel=1e-12)

@@ -62,7 +62,7 @@ from typing import Callable, NamedTuple
 import numpy as np
 
 from ..errors import PlannerError
-from ..plan import Plan, SolverStatus
+from ..plan import Plan, SolverStatus, relative_gap
 from ..problem import Problem, Region, Schedule, Stage, TensorInfo, recompute_seconds, simulate, \
     stage_recompute_seconds
 from .baselines import chen_sqrt, infeasible_budget_error, store_all, uniform
@@ -1409,19 +1409,6 @@ def _relaxed_seconds(problem: Problem, schedule: Schedule) -> float:
     (2.5, 3.0)
     """
     return sum(stage_recompute_seconds(problem, r, k, caches=False) for r in schedule.regions for k in r.stages)
-
-
-def relative_gap(seconds: float, bound: float | None) -> float | None:
-    """``(seconds - bound) / seconds``, 0 when both are 0; None without a bound.
-
-    >>> relative_gap(2.0, 1.5), relative_gap(0.0, 0.0), relative_gap(1.0, None)
-    (0.25, 0.0, None)
-    """
-    if bound is None:
-        return None
-    if seconds <= 0:
-        return 0.0
-    return max(0.0, (seconds - bound) / seconds)
 
 
 FINISHING_SIMULATIONS = 12  # what a solve keeps back from its time limit, in simulations of the problem
