@@ -362,9 +362,9 @@ def _cached_count(problem: Problem, schedule: Schedule) -> int:
 
 def _caching_costs(measured: Sequence[Estimate], predicted: Sequence[float], regions: int,
                    nodes: Sequence[int]) -> tuple[float, float]:
-    """What a region that caches costs (``Problem.caching_region_seconds``: entering the selective checkpoint's
-    dispatch modes, which see every op of the region in the forward and the re-run) and each node it caches
-    (storing and handing back its output), from schedules of ``regions`` caching regions each, caching ``nodes``
+    """What a region that caches costs (``Problem.caching_region_seconds``: its cache, set up in the forward and
+    handed to the re-run) and each node it caches (its op called through a dispatch mode in the forward and the
+    re-run, its output stored and handed back: :mod:`planner.rewrite`), from schedules of ``regions`` caching regions each, caching ``nodes``
     nodes in all, that ``measured`` so much over eager beyond the recomputation ``predicted`` (their options).
     The first schedule (the options caching the most) keeps what it measured; the second (caching the fewest)
     splits it: the rate per node is the slope between the two, never below zero nor above all of the first's

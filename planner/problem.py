@@ -42,7 +42,7 @@ workspace of its stage inside a region, where what the stage saves is not kept a
 
 Time: each recomputed stage costs its option's recompute seconds, but the last stage of a region that caches
 nothing only up to its last saving op (:meth:`Stage.stopped_seconds`); each region costs ``region_seconds`` itself,
-a region that caches ``caching_region_seconds`` more (the selective checkpoint's dispatch modes), and a step with
+a region that caches ``caching_region_seconds`` more (its cache: :mod:`planner.rewrite`), and a step with
 any region ``per_step_seconds`` (:func:`recompute_seconds`, :func:`simulate`).
 
 >>> stages = tuple(Stage(f"s{i}", forward_seconds=1.0, backward_seconds=2.0) for i in range(3))
@@ -232,8 +232,8 @@ class Problem:
     region_seconds: float = 0.0  # what each region costs beyond its stages' options: the checkpoint call itself
     # what checkpointing costs once a step when any region runs, beyond each region's own (see simulate)
     per_step_seconds: float = 0.0
-    # what a region that caches costs beyond region_seconds and its options: the selective checkpoint's dispatch
-    # modes, which see every op of the region in the forward and in the re-run
+    # what a region that caches costs beyond region_seconds and its options: its cache, set up in the forward and
+    # handed to the re-run (planner.rewrite's dispatch modes); each cached node's own cost is in its options
     caching_region_seconds: float = 0.0
 
     def __post_init__(self):
