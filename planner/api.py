@@ -236,12 +236,13 @@ def _calibrate_checkpoint_overheads(captured: CapturedGraph, problem: Problem, s
                                     repeats: int) -> Problem:
     """Time eager, every other stage checkpointed (:func:`_apart`), every third pair of stages checkpointed
     together and one stage checkpointed alone, then every other stage that has caching options checkpointed with
-    the one that caches the most; what those steps cost beyond the recomputation the model predicts (each region
-    stopping early: ``Stage.stopped_seconds``) is the checkpoint machinery's (and the error of summing the nodes'
-    own times): a cost per step and one per region (``Problem.per_step_seconds``, ``Problem.region_seconds``:
-    :func:`_fixed_costs`), a rate per saved tensor charged to every option of every stage, and a charge to every
-    caching option (see :func:`_charges`, :func:`_cached_node_charges`). A measured shortfall shrinks the costs
-    only as far as the measurement clearly shows (:func:`_correction`).
+    the one that caches the most nodes and with the one that caches the fewest; what those steps cost beyond the
+    recomputation the model predicts (each region stopping early: ``Stage.stopped_seconds``) is the checkpoint
+    machinery's (and the error of summing the nodes' own times): a cost per step and one per region
+    (``Problem.per_step_seconds``, ``Problem.region_seconds``: :func:`_fixed_costs`), a rate per saved tensor
+    charged to every option of every stage, and a cost per caching region (``Problem.caching_region_seconds``) and
+    per cached node (:func:`_caching_costs`). A measured shortfall shrinks the costs only as far as the measurement
+    clearly shows (:func:`_correction`, :func:`_cached_node_charges`).
 
     Plain checkpointing is timed against eager on its own, as a training loop runs it: interleaved with the
     caching options (the cache's allocations), Llama's checkpoint overhead measured 52% on the CPU, against 61-64%
@@ -270,6 +271,7 @@ def _calibrate_checkpoint_overheads(captured: CapturedGraph, problem: Problem, s
         if _cached_count(problem, schedules["caching_least"]) == _cached_count(problem, schedules["caching"]):
             del schedules["caching_least"]  # one option a stage: the two costs cannot be told apart
     caching_names = [name for name in ("caching", "caching_least") if name in schedules]
+    cached_counts = [_cached_count(problem, schedules[name]) for name in caching_names]
     modules = {"eager": captured.graph_module}
     for name, schedule in schedules.items():
         plan = Plan.from_schedule(problem, schedule, solver=name, status=SolverStatus.HEURISTIC)
@@ -325,15 +327,14 @@ def _calibrate_checkpoint_overheads(captured: CapturedGraph, problem: Problem, s
     beyond = [caching_excess[name].less(fixed) for name in caching_names]
     predicted = [recompute_seconds(problem, schedules[name]) - len(timed_caching) * per_region
                  for name in caching_names]
-    most_cached_options = [problem.stages[k].recompute_options[i] for k, i in zip(caching, most_cached)]
     selective: list[float | list[float]] = [0.0] * n
     if beyond[0].median > predicted[0]:  # the cache costs more than its stages' nodes: per region and per node
-        per_caching_region, per_node = _caching_costs(
-            beyond, predicted, len(timed_caching), [_cached_count(problem, schedules[name]) for name in caching_names])
+        per_caching_region, per_node = _caching_costs(beyond, predicted, len(timed_caching), cached_counts)
         problem = dataclasses.replace(problem, caching_region_seconds=per_caching_region)
         for k in caching:
             selective[k] = [per_node * len(o.cached_nodes) for o in problem.stages[k].recompute_options]
         return add_checkpoint_overheads(problem, [0.0] * n, selective)
+    most_cached_options = [problem.stages[k].recompute_options[i] for k, i in zip(caching, most_cached)]
     cached = [o.recompute_seconds for o in most_cached_options]  # a shortfall: the nodes' times over-count
     for k, timed, share in zip(caching, most_cached_options,
                                _correction(beyond[0], cached, [len(o.cached_nodes) for o in most_cached_options],
@@ -364,8 +365,9 @@ def _caching_costs(measured: Sequence[Estimate], predicted: Sequence[float], reg
                    nodes: Sequence[int]) -> tuple[float, float]:
     """What a region that caches costs (``Problem.caching_region_seconds``: its cache, set up in the forward and
     handed to the re-run) and each node it caches (its op called through a dispatch mode in the forward and the
-    re-run, its output stored and handed back: :mod:`planner.rewrite`), from schedules of ``regions`` caching regions each, caching ``nodes``
-    nodes in all, that ``measured`` so much over eager beyond the recomputation ``predicted`` (their options).
+    re-run, its output stored and handed back: :mod:`planner.rewrite`), from schedules of ``regions`` caching
+    regions each, caching ``nodes`` nodes in all, that ``measured`` so much over eager beyond the recomputation
+    ``predicted`` (their options).
     The first schedule (the options caching the most) keeps what it measured; the second (caching the fewest)
     splits it: the rate per node is the slope between the two, never below zero nor above all of the first's
     excess. With one schedule, all of it is per node.

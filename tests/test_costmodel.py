@@ -392,20 +392,18 @@ def test_a_region_that_stops_early_skips_its_last_linear_layer(tower):
 def test_a_residual_add_hands_one_gradient_to_both_inputs(tower):
     """``h + block(h)``: the add's backward gives ``h`` and the block's output the same gradient, so where both
     cross a stage boundary (from the block's last stage to the add) it counts once; nowhere else changes."""
-    from planner.costmodel import _crossing_gradient_bytes, passes_gradient_through
+    from planner.costmodel import passes_gradient_through
 
     _, x, captured, profile = tower
     stages = partition_stages(profile, granularity=Granularity.SUBLAYER)
     stage_of = {name: i for i, spec in enumerate(stages) for name in spec.nodes}
-    readers = {}
-    for n in profile.nodes:
-        for key in n.reads:
-            readers.setdefault(key, set()).add(stage_of[n.name])
     adds = {n.name for n in captured.compute_nodes() if passes_gradient_through(n)}
     assert len(adds) == 4  # one residual add a block; the stem and head add nothing
-    counted_twice = _crossing_gradient_bytes(profile, stage_of, readers)
-    once = _crossing_gradient_bytes(profile, stage_of, readers, adds)
+    counted_twice = build_problem(profile, stages, random_nodes=set())
+    once = build_problem(profile, stages, random_nodes=set(), pass_through=adds)
     hidden = x.shape[0] * 32 * 4  # one float32 activation of the residual stream
-    differences = {k: counted_twice[k] - once[k] for k in counted_twice if counted_twice[k] != once[k]}
+    differences = {k: a.output_grad_bytes - b.output_grad_bytes
+                   for k, (a, b) in enumerate(zip(counted_twice.stages, once.stages))
+                   if a.output_grad_bytes != b.output_grad_bytes}
     assert differences and set(differences.values()) == {hidden}
     assert all(any(k < stage_of[add] for add in adds) for k in differences)  # only on the way to an add
