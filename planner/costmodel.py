@@ -468,8 +468,61 @@ def build_problem(profile: GraphProfile, stages: Sequence[StageSpec], *, random_
                            early_stop_seconds=early_stop_seconds(nodes)))
     problem = Problem(tuple(built), tuple(tensors), profile.fixed_bytes + extra_fixed_bytes, name)
     last_use = {key: max(readers.get(key, set()) | savers.get(key, set())) for key in readers.keys() | savers.keys()}
-    return _with_caching_workspaces(problem, [[by_name[x] for x in spec.nodes] for spec in stages],
-                                    lambda key, k: last_use.get(key, -1) > k or key in profile.output_keys)
+    stage_nodes = [[by_name[x] for x in spec.nodes] for spec in stages]
+
+    def outlives(key: int, k: int) -> bool:
+        return last_use.get(key, -1) > k or key in profile.output_keys
+    released = _released_storages(profile, stage_of, readers, savers, hold_outputs)
+    held = [held_input_excess(nodes, released[k], lambda key, k=k: outlives(key, k))
+            for k, nodes in enumerate(stage_nodes)]
+    problem = dataclasses.replace(problem, stages=tuple(dataclasses.replace(stage, held_input_bytes=extra)
+                                                        for stage, extra in zip(problem.stages, held)))
+    return _with_caching_workspaces(problem, stage_nodes, outlives)
+
+
+def _released_storages(profile: GraphProfile, stage_of: dict[str, int], readers: dict[int, set[int]],
+                       savers: dict[int, set[int]], hold_outputs: bool) -> list[dict[int, int]]:
+    """Per stage: the storages of earlier stages that it reads last and that nothing saves (nor holds as a model
+    output), by key, with their bytes: an eager step frees them inside it (see :func:`_released_in_reader`)."""
+    released: list[dict[int, int]] = [{} for _ in range(max(stage_of.values(), default=-1) + 1)]
+    for n in profile.nodes:
+        producer = stage_of[n.name]
+        for record in n.created:
+            last = max(readers.get(record.key, set()), default=producer)
+            if (record.survives and last > producer and not savers.get(record.key)
+                    and not (hold_outputs and record.key in profile.output_keys)):
+                released[last][record.key] = record.nbytes
+    return released
+
+
+def held_input_excess(nodes: Sequence[NodeProfile], inputs: dict[int, int], outlives: Callable[[int], bool]) -> int:
+    """What the forward of a stage (its ``nodes``, in order) holds more at its busiest when ``inputs`` (storages of
+    earlier stages it reads last, by key, with their bytes) stay alive throughout it, as a checkpoint region's
+    inputs do, than when each dies after its last reader, as in the eager step: the calibrated forward workspace
+    already has them where they are alive at the stage's busiest moment. Replayed node by node
+    (:func:`replayed_recompute_peak`'s rules, nothing cached).
+
+    A ReLU reading a BatchNorm's output makes its own output while the input is alive: nothing more (ResNet's
+    sublayer re-runs were one feature map over when all of the input was added). T5's cross-attention bias, read
+    at the start of each decoder block, is freed before the attention's peak in the last one: all of it.
+
+    >>> from planner.profile import StorageRecord
+    >>> def node(name, made, reads=()):
+    ...     records = tuple(StorageRecord(key, size, True) for key, size in made)
+    ...     return NodeProfile(name, "", 1.0, 0, records, frozenset(reads), frozenset(), frozenset(), False)
+    >>> held_input_excess([node("relu", [(2, 100)], {1})], {1: 100}, lambda key: key == 2)
+    0
+    >>> held_input_excess([node("add", [(2, 10)], {1}), node("attention", [(3, 500)], {2})], {1: 48},
+    ...                   lambda key: key == 3)
+    48
+    """
+    if not inputs:
+        return 0
+    alive = _replayed_alive(nodes, frozenset(), outlives)
+    last_reader = {key: i for i, n in enumerate(nodes) for key in n.reads if key in inputs}
+    eager = max(own + sum(size for key, size in inputs.items() if last_reader.get(key, -1) >= i)
+                for i, own in enumerate(alive))
+    return max(alive) + sum(inputs.values()) - eager
 
 
 def _crossing_gradient_bytes(profile: GraphProfile, stage_of: dict[str, int], readers: dict[int, set[int]],
@@ -654,6 +707,11 @@ def replayed_recompute_peak(nodes: Sequence[NodeProfile], cached: frozenset[str]
     >>> replayed_recompute_peak(nodes, frozenset({"mm2"}), lambda key: key == 3)   # 3 cached from the start
     210
     """
+    return max(_replayed_alive(nodes, cached, outlives), default=0)
+
+
+def _replayed_alive(nodes: Sequence[NodeProfile], cached: frozenset[str], outlives: Callable[[int], bool]) -> list[int]:
+    """Per node, the bytes of storages made by ``nodes`` alive while it runs (see :func:`replayed_recompute_peak`)."""
     last_reader = {key: i for i, n in enumerate(nodes) for key in n.reads}  # nodes come in order: the last wins
     saved = {key for n in nodes if n.in_backward for key in n.saved}
     change = [0] * (len(nodes) + 1)  # bytes that become alive at node i, less those freed after node i - 1
@@ -664,11 +722,11 @@ def replayed_recompute_peak(nodes: Sequence[NodeProfile], cached: frozenset[str]
                 kept = record.key in saved or outlives(record.key)
                 change[first] += record.nbytes
                 change[len(nodes) if kept else max(i, last_reader.get(record.key, i)) + 1] -= record.nbytes
-    alive = peak = 0
+    alive, by_node = 0, []
     for i, n in enumerate(nodes):
         alive += change[i]
-        peak = max(peak, alive + (0 if n.name in cached else intra_node_excess(n)))
-    return peak
+        by_node.append(max(0, alive + (0 if n.name in cached else intra_node_excess(n))))
+    return by_node
 
 
 def intra_node_excess(node: NodeProfile) -> int:
@@ -718,12 +776,15 @@ def _stages_making_outputs(profile: GraphProfile, stage_of: dict[str, int]) -> s
 def calibrate(problem: Problem, measured: StageMeasurement) -> Problem:
     """Set workspaces and backward times so that the model reproduces the measured eager step stage by stage. A
     stage's recompute workspace is its forward workspace and what the eager step frees inside it that a region
-    may hold through its re-run (:func:`_released_in_reader`)."""
+    may hold through its re-run adds to it (``Stage.held_input_bytes``, :func:`held_input_excess`; where unknown,
+    all of it: :func:`_released_in_reader`)."""
     events = simulate(problem, Schedule.store_all(problem.num_stages)).events
     forward = {e.stage: e for e in events if e.phase is Phase.FORWARD}
     backward = {e.stage: e for e in events if e.phase is Phase.BACKWARD}
     started = {e.stage: e for e in events if e.phase is Phase.BACKWARD_START}
-    released = _released_in_reader(problem)
+    released = _released_in_reader(problem)  # where the profile does not say what holding them adds
+    held = [released[k] if stage.held_input_bytes is None else stage.held_input_bytes
+            for k, stage in enumerate(problem.stages)]
     stages = []
     for k, stage in enumerate(problem.stages):
         fwd_ws = max(0, measured.forward_peak[k] - forward[k].activation_bytes)
@@ -732,7 +793,7 @@ def calibrate(problem: Problem, measured: StageMeasurement) -> Problem:
         start_ws = max(0, measured.backward_peak[k] - started[k].activation_bytes - started[k].gradient_bytes)
         stages.append(dataclasses.replace(stage, forward_workspace_bytes=fwd_ws, backward_workspace_bytes=bwd_ws,
                                           backward_start_workspace_bytes=start_ws,
-                                          recompute_workspace_bytes=fwd_ws + released[k],
+                                          recompute_workspace_bytes=fwd_ws + held[k],
                                           backward_seconds=measured.backward_seconds[k]))
     return dataclasses.replace(problem, stages=tuple(stages))
 

@@ -29,8 +29,9 @@ carries. The rules, for a tensor ``t`` produced by stage ``p``:
   stage ``j`` of the region re-runs, alive are what is alive when ``b``'s backward starts, the caches not yet
   consumed (a cached tensor that no stage saves and no later stage reads is consumed by its own stage's re-run),
   the activation gradients sent back past ``b`` (``Stage.output_grad_bytes``), what the region's earlier stages
-  *keep* (their tensors that are saved, read by a later stage or model outputs, unless cached) and ``j``'s own
-  working set: what it keeps plus its *recompute workspace* with its option. A region that caches nothing stops
+  *keep* (their tensors that are saved, read by a later stage or model outputs, unless cached; one that nothing
+  saves and only stages of the region read dies once the last of them has re-run: :func:`last_rerun_reader`) and
+  ``j``'s own working set: what it keeps plus its *recompute workspace* with its option. A region that caches nothing stops
   after its last stage's last saving op, so that stage's working set is what its re-run has made by then and still
   holds (:meth:`Stage.stopped_rerun`); a region that caches runs to its end;
 * gradients of parameters appear during the backward of the stage that uses them last and stay.
@@ -96,6 +97,9 @@ class Stage:
     ``early_stop_seconds``: what the re-run of this stage skips as the last stage of a region that caches nothing
     (see :meth:`stopped_seconds`): the forward time of the ops after its last saving op, and of that op itself
     when it saves only its inputs (autograd saves them before the op runs).
+    ``held_input_bytes``: what the stage's forward needs more when the tensors of earlier stages that it reads last
+    and nothing holds (the eager step frees them inside it) stay alive throughout it, as when a checkpoint region
+    holds them; ``costmodel.calibrate`` adds it to the recompute workspace. None: all of those tensors' bytes.
     """
 
     name: str
@@ -110,6 +114,7 @@ class Stage:
     backward_start_workspace_bytes: int = 0
     stopped_rerun_bytes: int | None = None
     early_stop_seconds: float = 0.0
+    held_input_bytes: int | None = None
 
     @property
     def recompute_options(self) -> tuple[RecomputeOption, ...]:
@@ -436,6 +441,22 @@ def keeps(tensor: TensorInfo) -> bool:
     return bool(tensor.savers or tensor.consumers - {tensor.producer} or tensor.is_output)
 
 
+def last_rerun_reader(tensor: TensorInfo) -> int | None:
+    """The stage after whose re-run a recomputed copy of ``tensor`` dies, when that stage is in its producer's
+    region: the last later stage that reads it, when nothing saves it and it is no model output (None otherwise:
+    it is kept to the end of the re-run, or beyond). Anything with a ``TensorInfo``'s ``producer``,
+    ``consumers``, ``savers`` and ``is_output`` will do (the ILP's tensor groups).
+
+    >>> last_rerun_reader(TensorInfo("bn", 100, producer=2, consumers=frozenset({3, 4})))
+    4
+    >>> last_rerun_reader(TensorInfo("x", 100, producer=2, consumers=frozenset({3}), savers=frozenset({3}))) is None
+    True
+    """
+    if tensor.savers or tensor.is_output or not tensor.consumers - {tensor.producer}:
+        return None
+    return max(tensor.consumers)
+
+
 @dataclass(frozen=True)
 class _Rerun:
     """What the re-run of each recomputed stage leaves alive, by stage: see :func:`_recompute_peak`."""
@@ -443,20 +464,24 @@ class _Rerun:
     kept: list[int]  # kept tensors (not cached)
     consumed_inside: list[int]  # cached tensors that only the stage itself reads: consumed by its own re-run
     saved_self: list[int]  # tensors it saves itself (not cached): what it keeps when its region stops early
+    freed_after: list[int]  # kept tensors of earlier stages of its region that its re-run reads last (they die)
 
 
 def _rerun_bytes(problem: Problem, schedule: Schedule) -> _Rerun:
     n = problem.num_stages
-    rerun = _Rerun([0] * n, [0] * n, [0] * n)
-    recomputed = set(schedule.recomputed_stages())
+    rerun = _Rerun([0] * n, [0] * n, [0] * n, [0] * n)
+    owner = schedule.region_index(n)
     for t in problem.tensors:
-        if t.producer not in recomputed:
+        if owner[t.producer] is None:
             continue
         if t.node in _stage_cached(problem, schedule, t.producer):
             rerun.consumed_inside[t.producer] += 0 if keeps(t) else t.nbytes
-        else:
-            rerun.kept[t.producer] += t.nbytes if keeps(t) else 0
-            rerun.saved_self[t.producer] += t.nbytes if t.producer in t.savers else 0
+            continue
+        rerun.kept[t.producer] += t.nbytes if keeps(t) else 0
+        rerun.saved_self[t.producer] += t.nbytes if t.producer in t.savers else 0
+        last = last_rerun_reader(t)
+        if last is not None and owner[last] == owner[t.producer]:
+            rerun.freed_after[last] += t.nbytes
     return rerun
 
 
@@ -479,7 +504,7 @@ def _recompute_peak(problem: Problem, region: Region, rerun: _Rerun) -> tuple[in
         workspace = own - (rerun.saved_self[j] if stops else rerun.kept[j])
         if best is None or moment > best[0]:
             best = (moment, workspace)
-        earlier += rerun.kept[j] - rerun.consumed_inside[j]
+        earlier += rerun.kept[j] - rerun.consumed_inside[j] - rerun.freed_after[j]
     return best
 
 

@@ -183,3 +183,20 @@ def random_schedule(problem: Problem, rng: random.Random, recompute_share: float
              for s in problem.stages]
     joined = {k: rng.random() < 0.6 for k in range(problem.num_stages - 1)}
     return _build(picks, joined)
+
+
+def bn_relu_conv(blocks=1, conv_workspace=300):
+    """Blocks of three stages, as ResNet at sublayer granularity: a BatchNorm whose output only the next stage's
+    ReLU reads (nothing saves it), the ReLU (saved by itself and the convolution) and a convolution."""
+    stages, tensors = [], []
+    for b in range(blocks):
+        k = 3 * b
+        last = b == blocks - 1
+        stages += [Stage(f"bn{b}", 1.0, 2.0), Stage(f"relu{b}", 1.0, 2.0),
+                   Stage(f"conv{b}", 3.0, 6.0, forward_workspace_bytes=conv_workspace)]
+        tensors += [TensorInfo(f"bn{b}", 100, k, frozenset({k + 1}), node=f"bn{b}"),
+                    TensorInfo(f"relu{b}", 100, k + 1, frozenset({k + 2}), frozenset({k + 1, k + 2}),
+                               node=f"relu{b}"),
+                    TensorInfo(f"conv{b}", 40, k + 2, frozenset() if last else frozenset({k + 3}),
+                               frozenset({k + 2} if last else {k + 2, k + 3}), node=f"conv{b}")]
+    return Problem(tuple(stages), tuple(tensors))

@@ -4,6 +4,7 @@ import pytest
 
 from planner.problem import (Phase, Problem, RecomputeOption, Region, Schedule, Stage, TensorInfo, liveness,
                              simulate)
+from tests.solver_problems import bn_relu_conv
 
 
 def chain(n=4, act=100, boundary=10, grads=0, fixed=1000):
@@ -70,6 +71,16 @@ def test_a_region_reruns_its_stages_one_after_another():
     assert recompute((1, 0)) == max(100 + 10 + 5, 10 + 20 + 40 + 7) == 115
     # nothing cached: c is stage 0's temporary (its forward workspace, 0 here), stage 1 stops before t1
     assert recompute((0, 0)) == max(10 + 0, 10 + 20 + 7) == 37
+
+
+def test_a_tensor_nothing_saves_dies_once_its_last_reader_has_re_run():
+    """The BatchNorm's output is made again by the region's re-run, read by the ReLU's and freed: it is not alive
+    while the convolution re-runs (ResNet's sublayer plans were one feature map over)."""
+    events = simulate(bn_relu_conv(), Schedule.from_segments([(0, 3)])).events
+    recompute = next(e for e in events if e.phase is Phase.RECOMPUTE)
+    # the convolution, the last stage, stops once it saved its input: the ReLU's output, its own (saved by it
+    # here), its workspace; the ReLU's re-run saw the BatchNorm's output and its own (100 + 100) below that
+    assert recompute.total_bytes == 100 + 40 + 300
 
 
 def test_cached_nodes_are_kept_from_the_forward_and_not_recomputed():

@@ -10,8 +10,9 @@ The program walks the stages left to right. Each step chooses the next *segment*
 
 A transition checks every forward, backward-start, backward and recompute event of the new segment against the
 budget. Inside a region the options are chosen by an inner dynamic program whose state is the bytes the region has
-cached so far, what its stages keep through its re-run (less the caches each re-run consumes itself), the highest
-moment of its re-run so far, whether it caches (then its re-run goes to its end) and the recomputed copies of model
+cached so far, what its stages keep through its re-run (less the caches each re-run consumes itself, and what a
+re-run reads last and frees: what the last stage left to the next one alone is apart), the highest moment of its
+re-run so far, whether it caches (then its re-run goes to its end) and the recomputed copies of model
 outputs; it keeps the Pareto front of (bytes, requirement, seconds).
 
 ``H`` is discretised into ``buckets`` steps of ``unit`` bytes: what a segment adds to it is rounded *up* to whole
@@ -102,6 +103,12 @@ class _Local:
         """Kept past its stage by a re-run (see :func:`~planner.problem.keeps`), unless cached."""
         return self.saved_self or self.saved_next or self.read_next
 
+    @property
+    def freed_by_next(self) -> bool:
+        """Kept by a re-run only until the next stage of its region has re-run: that stage reads it and nothing saves
+        it (see :func:`~planner.problem.last_rerun_reader`)."""
+        return self.read_next and not (self.saved_self or self.saved_next)
+
 
 @dataclass(frozen=True)
 class _Pinned:
@@ -137,28 +144,32 @@ class _StageSums:
 class _Rerun:
     """Per option, what a stage's re-run adds at its highest (``problem._recompute_peak``): when it runs through
     (what it keeps, plus its workspace), when its region stops early after it (what it saves itself, plus its
-    workspace), and what it leaves to the later stages of its region (what it keeps, less the caches it consumes)."""
+    workspace), what it leaves to the later stages of its region past the next (what it keeps, less the caches it
+    consumes and what the next stage's re-run frees) and what the next stage's re-run reads last and frees."""
 
     through: tuple[int, ...]
     stopped: tuple[int, ...]
     left: tuple[int, ...]
     caching: tuple[bool, ...]  # whether the option caches anything (its region then runs through)
+    freed_by_next: tuple[int, ...]
 
 
 def _rerun(tensors: tuple[_Local, ...], pinned: tuple[_Pinned, ...], stage: Stage, k: int) -> _Rerun:
-    through, stopped, left, caching = [], [], [], []
+    through, stopped, left, caching, freed = [], [], [], [], []
     for o, option in enumerate(stage.recompute_options):
         kept = sum(t.nbytes for t in tensors if o not in t.caching and t.keeps) \
             + sum(x.nbytes for x in pinned if o not in x.caching)  # outputs and far-reaching tensors: all kept
         saved = sum(t.nbytes for t in tensors if o not in t.caching and t.saved_self) \
             + sum(x.nbytes for x in pinned if o not in x.caching and x.first_saver == k)
         consumed = sum(t.nbytes for t in tensors if o in t.caching and not t.keeps)
+        freed_next = sum(t.nbytes for t in tensors if o not in t.caching and t.freed_by_next)
         workspace = stage.recompute_workspace_of(o)
         through.append(kept + workspace)
         stopped.append(stage.stopped_rerun(o, kept, saved))
-        left.append(kept - consumed)
+        left.append(kept - consumed - freed_next)
         caching.append(bool(option.cached_nodes))
-    return _Rerun(tuple(through), tuple(stopped), tuple(left), tuple(caching))
+        freed.append(freed_next)
+    return _Rerun(tuple(through), tuple(stopped), tuple(left), tuple(caching), tuple(freed))
 
 
 def _stage_sums(tensors: tuple[_Local, ...], stage: Stage, rerun: _Rerun) -> _StageSums:
@@ -262,8 +273,8 @@ def _quantized(sums: _StageSums, unit: int, optimistic: bool) -> _StageSums:
         # their least over the options (a re-run stopping early), which keeps the bound's fronts small
         least = {kind: min(sums.forward_end[o, kind] for o in range(len(sums.cached))) for kind in (*KINDS, NONE)}
         options = len(sums.cached)
-        rerun = _Rerun(*((min(values),) * options for values in (sums.rerun.stopped, sums.rerun.stopped,
-                                                                   sums.rerun.left)), (False,) * options)
+        lowest = [(min(values),) * options for values in (sums.rerun.stopped, sums.rerun.stopped, sums.rerun.left)]
+        rerun = _Rerun(*lowest, (False,) * options, (min(sums.rerun.freed_by_next),) * options)
         return dataclasses.replace(sums, cached=tuple(map(whole, sums.cached)),
                                    forward_inner=(min(sums.forward_inner),) * options,
                                    forward_end={key: least[key[1]] for key in sums.forward_end}, rerun=rerun)
@@ -296,7 +307,8 @@ class _Open(NamedTuple):
     (A named tuple: the inner program makes millions of them.)"""
 
     cached: int  # bytes cached by stages i .. p-1: alive to the end once the region is left
-    left: int  # what the re-runs of stages i .. p-1 leave to the later ones (see _Rerun)
+    left: int  # what the re-runs of stages i .. p-1 leave to p's and later ones, less what p's frees (see _Rerun)
+    reading: int  # what the re-run of p-1 leaves to p's only: p's re-run frees it
     rerun: int  # the highest moment of the re-runs of stages i .. p-1 (NO_RERUN when p = i)
     caches: bool  # whether some stage of i .. p caches: then the region's re-run goes to its end
     copies: int  # recomputed copies of pinned tensors alive at p's backward start
@@ -312,8 +324,8 @@ class _Open(NamedTuple):
         return self.options[-1], self.future
 
     def costs(self) -> tuple:  # a region that caches nothing stops its re-run early: never worse than one that does
-        return (self.cached, self.left, self.rerun, int(self.caches), self.copies, self.need, self.need_back,
-                self.forward_now, self.forward_first, self.seconds)
+        return (self.cached, self.left, self.reading, self.rerun, int(self.caches), self.copies, self.need,
+                self.need_back, self.forward_now, self.forward_first, self.seconds)
 
 
 @dataclass(frozen=True)
@@ -337,7 +349,7 @@ def _pareto(points: list[_Open], limit: int, optimistic: bool = False) -> tuple[
     groups: dict[tuple, list[_Open]] = {}
     for point in points:
         groups.setdefault((point.need, point.need_back, point.copies, point.forward_now, point.forward_first,
-                           point.rerun, point.caches), []).append(point)
+                           point.rerun, point.caches, point.reading), []).append(point)
     kept = [p for group in groups.values() for p in _staircase(group, lambda x: (x.seconds, x.cached, x.left))]
     if len(kept) > limit:
         kept = _nondominated(kept, _Open.costs)
@@ -355,6 +367,7 @@ def _ideal(points: list[_Open]) -> _Open:
     """The least of every cost over ``points`` (of one key, fastest first), with the fastest point's options."""
     first = points[0]
     return first._replace(cached=min(p.cached for p in points), left=min(p.left for p in points),
+                          reading=min(p.reading for p in points),
                           rerun=min(p.rerun for p in points), caches=min(p.caches for p in points),
                           copies=min(p.copies for p in points), need=min(p.need for p in points),
                           need_back=min(p.need_back for p in points),
@@ -500,10 +513,10 @@ class _Region:
             caches = t.sums[i].rerun.caching[o]
             if self.backward is None:
                 if self._fits(start):
-                    points.append(_Open(0, 0, NO_RERUN, caches, copies, future, start, 0, forward_first,
+                    points.append(_Open(0, 0, 0, NO_RERUN, caches, copies, future, start, 0, forward_first,
                                         seconds, (o,)))
             elif (needs := self._shared_needs(0, start)) is not None:
-                points.append(_Open(0, 0, NO_RERUN, caches, copies, future, needs[0], 0, forward_first,
+                points.append(_Open(0, 0, 0, NO_RERUN, caches, copies, future, needs[0], 0, forward_first,
                                     seconds, (o,), needs[1]))
         return self._prune(points)
 
@@ -527,7 +540,8 @@ class _Region:
             if cached > cap:
                 continue
             left = point.left + last.rerun.left[o]
-            rerun = max(point.rerun, point.left + last.rerun.through[o])
+            reading = last.rerun.freed_by_next[o]
+            rerun = max(point.rerun, point.left + point.reading + last.rerun.through[o])
             carried = point.cached + last.forward_from_prev[o]
             so_far = max(point.need, after)
             for o2, forward_base in enumerate(forward_bases):
@@ -551,8 +565,8 @@ class _Region:
                         if need > budget:
                             continue
                         need = budget - (budget - need) // unit * unit  # canonical: the same room for H
-                out.append(_Open(cached, left, rerun, point.caches or here.rerun.caching[o2], copies, future, need,
-                                 forward if extra and not lean else 0, point.forward_first,
+                out.append(_Open(cached, left, reading, rerun, point.caches or here.rerun.caching[o2], copies, future,
+                                 need, forward if extra and not lean else 0, point.forward_first,
                                  point.seconds + seconds[o2], point.options + (o2,), need_back))
         return self._prune(out)
 
@@ -571,7 +585,7 @@ class _Region:
                 seconds += t.problem.caching_region_seconds
             o = point.options[-1]
             own = t.sums[e].rerun  # cached pinned tensors count once, as held from their producer on (rec_base)
-            rerun = max(point.rerun, point.left + (own.through[o] if point.caches else own.stopped[o]))
+            rerun = max(point.rerun, point.left + point.reading + (own.through[o] if point.caches else own.stopped[o]))
             recompute = t.rec_base[e] + point.cached + t.sums[e].cached[o] + rerun
             own_forward = t.sums[e].forward_end[o, kind]
             forward = point.need

@@ -28,8 +28,9 @@ Memory (continuous, only bounded from below, since they appear only on the left 
   when ``k`` starts), or ``<= k-1`` (still needed after ``k``): the recomputed copies.
 * the re-run of a region, stage by stage (``problem._recompute_peak``): ``caches[j] >=`` each caching option of
   ``j`` and ``caches[j-1] + s[j-1] - 1`` (some stage of ``j``'s region up to ``j`` caches);
-  ``kept_before[j] >= kept_before[j-1] + kept(j-1) - M (1 - s[j-1])`` (what the region's stages before ``j``
-  keep); ``inside_from[j] >= inside(j) + inside_from[j+1] - M (1 - s[j])`` (caches that the re-runs of ``j`` and
+  ``kept_before[j] >= kept_before[j-1] + kept(j-1) - freed(j-1) - M (1 - s[j-1])`` (what the region's stages
+  before ``j`` keep, less what the re-runs up to ``j-1`` read last and free: ``freed(j-1)`` sums each such group's
+  ``freed[g] <= w[p,j-1]``, ``<= 1 - c[g]``, at most 1); ``inside_from[j] >= inside(j) + inside_from[j+1] - M (1 - s[j])`` (caches that the re-runs of ``j`` and
   the later stages of its region consume themselves); ``through[j] >= kept_before[j] + kept(j) + workspace(j) +
   inside_from[j]`` (the moment ``j`` re-runs, when the re-run goes on past it). ``rerun[k] >= through[j] +
   output_grad_bytes(k) - M (2 - w[j,k] - e[k])`` for every ``j < k``, and ``>=`` the moment of ``k`` itself
@@ -83,8 +84,8 @@ import pulp
 
 from ..errors import PlannerError
 from ..plan import Plan, SolverStatus
-from ..problem import (Phase, Problem, Region, Schedule, TensorInfo, keeps, liveness, recompute_seconds,
-                       simulate)
+from ..problem import (Phase, Problem, Region, Schedule, TensorInfo, keeps, last_rerun_reader, liveness,
+                       recompute_seconds, simulate)
 from .baselines import chen_sqrt, fewest_blocks, infeasible_budget_error, store_all, uniform
 
 Expr = pulp.LpAffineExpression
@@ -196,6 +197,8 @@ class Encoding:
         n = problem.num_stages
         self.model = pulp.LpProblem("checkpoint_plan", pulp.LpMinimize)
         self.lower_bounds: dict[str, list[Expr]] = {}  # name of each bounded-below variable -> its bounds
+        self.upper_bounds: dict[str, list[Expr]] = {}  # name of each variable in [0, 1] bounded above -> its bounds
+        self._derived: list[str] = []  # the names of both kinds, in the order they were made (bounds use earlier ones)
         self.choose = [[pulp.LpVariable(f"x_{k}_{o}", cat="Binary") for o in range(len(stage.recompute_options))]
                        for k, stage in enumerate(problem.stages)]
         self.share = [pulp.LpVariable(f"s_{k}", cat="Binary") for k in range(n - 1)]
@@ -246,6 +249,18 @@ class Encoding:
         for i, bound in enumerate(kept):
             self.model += var >= bound, f"{name}_lb{i}"
         self.lower_bounds[name] = kept
+        self._derived.append(name)
+        return var
+
+    def at_most(self, name: str, bounds: Iterable[Expr]) -> pulp.LpVariable:
+        """A continuous variable in [0, 1] and <= every bound; an objective or a memory constraint that gains from
+        it pushes it up to their minimum."""
+        var = pulp.LpVariable(name, lowBound=0, upBound=1)
+        kept = [pulp.LpAffineExpression(b) for b in bounds]
+        for i, bound in enumerate(kept):
+            self.model += var <= bound, f"{name}_ub{i}"
+        self.upper_bounds[name] = kept
+        self._derived.append(name)
         return var
 
     # liveness of one group
@@ -360,12 +375,24 @@ class Encoding:
             caches.append(self._at_least_or_zero(f"caches_{j}", bounds))
         return caches
 
+    def _freed_after(self, j: int) -> Expr | int:
+        """Bytes that the stages of ``j``'s region before ``j`` keep and ``j``'s re-run reads last, so that they
+        die (:func:`~planner.problem.last_rerun_reader`): each group's ``freed[g] <= w[p,j]`` and ``<= 1 - c[g]``
+        (recomputed in ``j``'s region, not cached), which a smaller ``kept_before`` pushes up to that."""
+        terms = []
+        for index, g in enumerate(self.groups):
+            if g.producer < j and last_rerun_reader(g) == j:
+                bounds = [self.same_region(g.producer, j)] + ([1 - self.cached(g)] if g.caching_options else [])
+                terms.append(g.nbytes * self.at_most(f"freed_{index}", bounds))
+        return pulp.lpSum(terms) if terms else 0
+
     def _kept_before(self, reruns: list[_StageRerun]) -> tuple[list, list[int]]:
-        """``kept_before[j]``: what the stages of ``j``'s region before ``j`` keep; and the most it can be."""
+        """``kept_before[j]``: what the stages of ``j``'s region before ``j`` keep and its re-run still holds; and
+        the most it can be."""
         most = [sum(max(r.kept) for r in reruns[:j]) for j in range(len(reruns))]
         kept_before: list = [0]
         for j in range(1, len(reruns)):
-            link = kept_before[j - 1] + self._over_options(j - 1, reruns[j - 1].kept)
+            link = kept_before[j - 1] + self._over_options(j - 1, reruns[j - 1].kept) - self._freed_after(j - 1)
             bounds = [link - most[j] * (1 - self.share[j - 1])] if most[j] else []
             kept_before.append(self._at_least_or_zero(f"kept_before_{j}", bounds))
         return kept_before, most
@@ -413,14 +440,10 @@ class Encoding:
     def stops_early(self, k: int) -> pulp.LpVariable | Expr:
         """At most 1 when a region that caches nothing ends at ``k`` (its re-run stops early there), else at most
         0: an objective that rewards it pushes it up to that."""
-        if k in self._stops:
-            return self._stops[k]
-        stops = pulp.LpVariable(f"stops_{k}", lowBound=0, upBound=1)
-        self.model += stops <= self.region_end(k), f"stops_le_end_{k}"
-        if not isinstance(self.caches[k], int):
-            self.model += stops <= 1 - self.caches[k], f"stops_le_plain_{k}"
-        self._stops[k] = stops
-        return stops
+        if k not in self._stops:
+            plain = [] if isinstance(self.caches[k], int) else [1 - self.caches[k]]
+            self._stops[k] = self.at_most(f"stops_{k}", [self.region_end(k)] + plain)
+        return self._stops[k]
 
     def caching_end(self, k: int) -> pulp.LpVariable | int:
         """At least 1 when a region that caches ends at ``k`` (0 when no option up to ``k`` can cache): an
@@ -497,12 +520,11 @@ class Encoding:
     def tight_values(self, schedule: Schedule) -> dict[str, float]:
         """Every variable's value for ``schedule``: decisions from it, the rest at the maximum of their bounds."""
         values = self.decision_values(schedule)
-        for name in self.lower_bounds:  # created in dependency order: bounds only use earlier variables
-            values[name] = max([0.0] + [_evaluate(b, values) for b in self.lower_bounds[name]])
-        for k, stops in self._stops.items():
-            caches = self.caches[k]
-            plain = 1.0 - (caches if isinstance(caches, int) else values[caches.name])
-            values[stops.name] = min(_evaluate(pulp.LpAffineExpression(self.region_end(k)), values), plain)
+        for name in self._derived:  # in the order they were made: bounds only use earlier variables
+            if name in self.lower_bounds:
+                values[name] = max([0.0] + [_evaluate(b, values) for b in self.lower_bounds[name]])
+            else:
+                values[name] = max(0.0, min([1.0] + [_evaluate(b, values) for b in self.upper_bounds[name]]))
         return values
 
     def event_values(self, values: dict[str, float]) -> list[float]:
