@@ -83,9 +83,10 @@ def test_plans_cut_inside_the_blocks_fit_predict_memory_and_train_exactly():
                                         granularity="layer")
     assert any(name.endswith(".mlp") for name in (s.name for s in problem.stages))
     eager = training_step(example.model, example.run, example.example_inputs)
-    smallest = solvers.minimum_peak(problem)
+    # halfway from checkpointing every layer to eager (the smallest peak takes 17-61 s to prove on this problem)
+    uniform_peak = simulate(problem, Schedule.uniform(problem.num_stages)).peak_bytes
     eager_peak = simulate(problem, Schedule.store_all(problem.num_stages)).peak_bytes
-    budget = (smallest + eager_peak) // 2
+    budget = (uniform_peak + eager_peak) // 2
     plan = solvers.solve(problem, budget, method="auto", time_limit=10)
     recomputed = {k for r in plan.schedule.regions for k in range(r.start, r.stop)}
     blocks = {}
