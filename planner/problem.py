@@ -31,9 +31,9 @@ carries. The rules, for a tensor ``t`` produced by stage ``p``:
   the activation gradients sent back past ``b`` (``Stage.output_grad_bytes``), what the region's earlier stages
   *keep* (their tensors that are saved, read by a later stage or model outputs, unless cached; one that nothing
   saves and only stages of the region read dies once the last of them has re-run: :func:`last_rerun_reader`) and
-  ``j``'s own working set: what it keeps plus its *recompute workspace* with its option. A region that caches nothing stops
-  after its last stage's last saving op, so that stage's working set is what its re-run has made by then and still
-  holds (:meth:`Stage.stopped_rerun`); a region that caches runs to its end;
+  ``j``'s own working set: what it keeps plus its *recompute workspace* with its option. A region that caches
+  nothing stops after its last stage's last saving op, so that stage's working set is what its re-run has made by
+  then and still holds (:meth:`Stage.stopped_rerun`); a region that caches runs to its end;
 * gradients of parameters appear during the backward of the stage that uses them last and stay.
 
 Workspaces (temporaries, activation gradients in flight) are per stage and come from measurement; a caching option

@@ -10,8 +10,8 @@ from planner.errors import InfeasibleBudgetError, PlannerError
 from planner.plan import SolverStatus
 from planner.problem import Schedule, simulate
 from planner.solvers.ilp import Encoding, _cbc_bound, encoded_peak, group_tensors, min_peak_ilp, solve_ilp
-from tests.solver_problems import (bn_relu_conv, brute_force_best, brute_force_table, layered_chain, random_chain, random_dag,
-                                   random_schedule)
+from tests.solver_problems import (bn_relu_conv, brute_force_best, brute_force_table, layered_chain, random_chain,
+                                   random_dag, random_schedule)
 
 TINY = [(random_chain, 4, 0), (random_chain, 4, 5), (random_chain, 5, 7), (random_dag, 4, 1), (random_dag, 4, 6),
         (random_dag, 5, 3)]

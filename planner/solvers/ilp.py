@@ -30,9 +30,10 @@ Memory (continuous, only bounded from below, since they appear only on the left 
   ``j`` and ``caches[j-1] + s[j-1] - 1`` (some stage of ``j``'s region up to ``j`` caches);
   ``kept_before[j] >= kept_before[j-1] + kept(j-1) - freed(j-1) - M (1 - s[j-1])`` (what the region's stages
   before ``j`` keep, less what the re-runs up to ``j-1`` read last and free: ``freed(j-1)`` sums each such group's
-  ``freed[g] <= w[p,j-1]``, ``<= 1 - c[g]``, at most 1); ``inside_from[j] >= inside(j) + inside_from[j+1] - M (1 - s[j])`` (caches that the re-runs of ``j`` and
-  the later stages of its region consume themselves); ``through[j] >= kept_before[j] + kept(j) + workspace(j) +
-  inside_from[j]`` (the moment ``j`` re-runs, when the re-run goes on past it). ``rerun[k] >= through[j] +
+  ``freed[g] <= w[p,j-1]``, ``<= 1 - c[g]``, at most 1); ``inside_from[j] >= inside(j) + inside_from[j+1]
+  - M (1 - s[j])`` (caches that the re-runs of ``j`` and the later stages of its region consume themselves);
+  ``through[j] >= kept_before[j] + kept(j) + workspace(j) + inside_from[j]`` (the moment ``j`` re-runs, when the
+  re-run goes on past it). ``rerun[k] >= through[j] +
   output_grad_bytes(k) - M (2 - w[j,k] - e[k])`` for every ``j < k``, and ``>=`` the moment of ``k`` itself
   ``- M (1 - e[k])``: as ``through[k]``, but when its region caches nothing it stops after ``k``'s last saving op
   (``Stage.stopped_rerun``; ``runs_on[k] >= gap(k) (caches[k] + x[k,o] - 1)`` adds the rest when the region
