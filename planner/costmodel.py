@@ -475,8 +475,11 @@ def build_problem(profile: GraphProfile, stages: Sequence[StageSpec], *, random_
     released = _released_storages(profile, stage_of, readers, savers, hold_outputs)
     held = [held_input_excess(nodes, released[k], lambda key, k=k: outlives(key, k))
             for k, nodes in enumerate(stage_nodes)]
-    problem = dataclasses.replace(problem, stages=tuple(dataclasses.replace(stage, held_input_bytes=extra)
-                                                        for stage, extra in zip(problem.stages, held)))
+    saving = [rerun_input_saving(nodes, released[k], lambda key, k=k: outlives(key, k))
+              for k, nodes in enumerate(stage_nodes)]
+    problem = dataclasses.replace(problem, stages=tuple(
+        dataclasses.replace(stage, held_input_bytes=extra, rerun_input_saving_bytes=less)
+        for stage, extra, less in zip(problem.stages, held, saving)))
     return _with_caching_workspaces(problem, stage_nodes, outlives)
 
 
@@ -628,6 +631,16 @@ def stopped_rerun_peak(nodes: Sequence[NodeProfile], outlives: Callable[[int], b
     >>> stopped_rerun_peak(nodes, lambda key: key == 3)   # stops after relu, 1 still to be read by add
     200
     """
+    stopped = _stopped_run(nodes)
+    if stopped is None:
+        return None
+    run, read_later = stopped
+    return replayed_recompute_peak(run, frozenset(), lambda key: outlives(key) or key in read_later)
+
+
+def _stopped_run(nodes: Sequence[NodeProfile]) -> tuple[list[NodeProfile], set[int]] | None:
+    """What the re-run of ``nodes`` runs when its region stops early after them (see :func:`stopped_rerun_peak`),
+    and the storages read from the node it stops at on, alive until it stops; None when they save nothing."""
     stop = _stop_index(nodes)
     if stop is None:
         return None
@@ -635,7 +648,32 @@ def stopped_rerun_peak(nodes: Sequence[NodeProfile], outlives: Callable[[int], b
     last = nodes[stop]
     if last.made_by_last_save is not None:
         last = dataclasses.replace(last, created=last.created[:last.made_by_last_save], busiest_bytes=None)
-    return replayed_recompute_peak([*nodes[:stop], last], frozenset(), lambda key: outlives(key) or key in read_later)
+    return [*nodes[:stop], last], read_later
+
+
+def rerun_input_saving(nodes: Sequence[NodeProfile], inputs: dict[int, int], outlives: Callable[[int], bool]) -> int:
+    """What a stage's re-run (its ``nodes``) holds less than its working set counts when its region made its
+    ``inputs`` (storages of earlier stages it reads last, which nothing saves): they die inside it, as in the
+    eager step, where the working set holds them as a region's inputs (:func:`held_input_excess`). The least of
+    that for a re-run that runs through and one that stops early after the stage (inputs read from the node it
+    stops at on stay alive until it stops), so that neither is under-counted.
+
+    >>> from planner.profile import StorageRecord
+    >>> def node(name, made, reads=(), saved=()):
+    ...     records = tuple(StorageRecord(key, size, True) for key, size in made)
+    ...     return NodeProfile(name, "", 1.0, 0, records, frozenset(reads), frozenset(saved), frozenset(), False,
+    ...                        made_by_last_save=len(made) if saved else None)
+    >>> add_relu = [node("add", [(2, 100)], {1}), node("relu", [(3, 100)], {2}, saved={3})]
+    >>> rerun_input_saving(add_relu, {1: 100}, lambda key: key == 3)   # the BatchNorm's output dies after the add
+    100
+    """
+    through = held_input_excess(nodes, inputs, outlives)
+    stopped = _stopped_run(nodes)
+    if stopped is None:
+        return through
+    run, read_later = stopped
+    early = {key: size for key, size in inputs.items() if key not in read_later}
+    return min(through, held_input_excess(run, early, lambda key: outlives(key) or key in read_later))
 
 
 def checkpointed_forward_peak(nodes: Sequence[NodeProfile], cached: frozenset[str],

@@ -31,9 +31,11 @@ carries. The rules, for a tensor ``t`` produced by stage ``p``:
   the activation gradients sent back past ``b`` (``Stage.output_grad_bytes``), what the region's earlier stages
   *keep* (their tensors that are saved, read by a later stage or model outputs, unless cached; one that nothing
   saves and only stages of the region read dies once the last of them has re-run: :func:`last_rerun_reader`) and
-  ``j``'s own working set: what it keeps plus its *recompute workspace* with its option. A region that caches
-  nothing stops after its last stage's last saving op, so that stage's working set is what its re-run has made by
-  then and still holds (:meth:`Stage.stopped_rerun`); a region that caches runs to its end;
+  ``j``'s own working set: what it keeps plus its *recompute workspace* with its option (which holds the inputs
+  ``j`` frees as a region holds its inputs; less ``Stage.rerun_input_saving_bytes`` where the region made them all
+  and the option caches nothing: :func:`input_saving`). A region that caches nothing stops after its last stage's
+  last saving op, so that stage's working set is what its re-run has made by then and still holds
+  (:meth:`Stage.stopped_rerun`); a region that caches runs to its end;
 * gradients of parameters appear during the backward of the stage that uses them last and stay.
 
 Workspaces (temporaries, activation gradients in flight) are per stage and come from measurement; a caching option
@@ -100,6 +102,9 @@ class Stage:
     ``held_input_bytes``: what the stage's forward needs more when the tensors of earlier stages that it reads last
     and nothing holds (the eager step frees them inside it) stay alive throughout it, as when a checkpoint region
     holds them; ``costmodel.calibrate`` adds it to the recompute workspace. None: all of those tensors' bytes.
+    ``rerun_input_saving_bytes``: what the stage's re-run with an option that caches nothing holds less than its
+    working set says when the region's own re-run made all of those inputs: they die inside it as in the eager
+    step, so what holding them adds (``held_input_bytes``, or less where the re-run stops early) is not there.
     """
 
     name: str
@@ -115,6 +120,7 @@ class Stage:
     stopped_rerun_bytes: int | None = None
     early_stop_seconds: float = 0.0
     held_input_bytes: int | None = None
+    rerun_input_saving_bytes: int = 0
 
     @property
     def recompute_options(self) -> tuple[RecomputeOption, ...]:
@@ -465,11 +471,39 @@ class _Rerun:
     consumed_inside: list[int]  # cached tensors that only the stage itself reads: consumed by its own re-run
     saved_self: list[int]  # tensors it saves itself (not cached): what it keeps when its region stops early
     freed_after: list[int]  # kept tensors of earlier stages of its region that its re-run reads last (they die)
+    first_input: list[int | None]  # the first stage making a tensor that it reads last and nothing saves
+
+
+def released_inputs_from(problem: Problem) -> list[int | None]:
+    """Per stage, the first stage that makes a tensor the stage reads last while nothing saves it (see
+    :func:`last_rerun_reader`), None when there is none: when a region's re-run made them all (the region starts
+    at or before it), they die inside the stage, and ``Stage.rerun_input_saving_bytes`` applies.
+
+    >>> stages = tuple(Stage(f"s{i}", 1.0, 2.0) for i in range(3))
+    >>> released_inputs_from(Problem(stages, (TensorInfo("bn", 100, 0, frozenset({2})),)))
+    [None, None, 0]
+    """
+    first: list[int | None] = [None] * problem.num_stages
+    for t in problem.tensors:
+        last = last_rerun_reader(t)
+        if last is not None:
+            first[last] = t.producer if first[last] is None else min(first[last], t.producer)
+    return first
+
+
+def input_saving(problem: Problem, region: Region, j: int, first_input: Sequence[int | None]) -> int:
+    """What stage ``j``'s re-run in ``region`` holds less because the region made every input it frees
+    (``Stage.rerun_input_saving_bytes``, for an option that caches nothing; 0 otherwise)."""
+    stage = problem.stages[j]
+    if first_input[j] is None or first_input[j] < region.start or \
+            stage.recompute_options[region.option_of(j)].cached_nodes:
+        return 0
+    return stage.rerun_input_saving_bytes
 
 
 def _rerun_bytes(problem: Problem, schedule: Schedule) -> _Rerun:
     n = problem.num_stages
-    rerun = _Rerun([0] * n, [0] * n, [0] * n, [0] * n)
+    rerun = _Rerun([0] * n, [0] * n, [0] * n, [0] * n, released_inputs_from(problem))
     owner = schedule.region_index(n)
     for t in problem.tensors:
         if owner[t.producer] is None:
@@ -500,6 +534,7 @@ def _recompute_peak(problem: Problem, region: Region, rerun: _Rerun) -> tuple[in
         stage, option = problem.stages[j], region.option_of(j)
         workspace = stage.recompute_workspace_of(option)
         own = stage.stopped_rerun(option, rerun.kept[j], rerun.saved_self[j]) if stops else rerun.kept[j] + workspace
+        own -= input_saving(problem, region, j, rerun.first_input)
         moment = earlier + own
         workspace = own - (rerun.saved_self[j] if stops else rerun.kept[j])
         if best is None or moment > best[0]:

@@ -48,12 +48,19 @@ def _stage(rng: random.Random, k: int, nodes: list[str], num_options: int, unit:
     # what its re-run skips when its region caches nothing and stops after it: none, some, or all of its forward
     optional["early_stop_seconds"] = random.Random(f"early/{k}/{forward}").choice([0.0, 0.0, 0.3, 1.0]) * forward
     extra = {name: value for name, value in optional.items() if name in _STAGE_FIELDS}
-    return Stage(f"s{k}", forward_seconds=forward, backward_seconds=round(2 * forward, 3),
-                 grad_bytes=unit * rng.choice([0, 0, 1, 3]),
-                 forward_workspace_bytes=unit * rng.choice([0, 1, 4, 12]),
-                 backward_workspace_bytes=unit * rng.choice([0, 2, 8]),
-                 recompute_workspace_bytes=rng.choice([None, unit * rng.choice([0, 6, 20])]),
-                 options=_options(rng, k, forward, nodes, num_options, unit), **extra)
+    stage = Stage(f"s{k}", forward_seconds=forward, backward_seconds=round(2 * forward, 3),
+                  grad_bytes=unit * rng.choice([0, 0, 1, 3]),
+                  forward_workspace_bytes=unit * rng.choice([0, 1, 4, 12]),
+                  backward_workspace_bytes=unit * rng.choice([0, 2, 8]),
+                  recompute_workspace_bytes=rng.choice([None, unit * rng.choice([0, 6, 20])]),
+                  options=_options(rng, k, forward, nodes, num_options, unit), **extra)
+    # what its re-run holds less when its region made the inputs it frees: part of what its workspaces count
+    # (costmodel.held_input_excess), drawn apart
+    saving = unit * random.Random(f"inputs/{k}/{forward}").choice([0, 0, 1, 3])
+    saving = min(saving, stage.recompute_workspace, *([stage.stopped_rerun_bytes] if stage.stopped_rerun_bytes
+                                                      is not None else []))
+    return dataclasses.replace(stage, rerun_input_saving_bytes=saving) if "rerun_input_saving_bytes" in \
+        _STAGE_FIELDS else stage
 
 
 def _region_seconds(kind: str, n: int, seed: int) -> dict[str, float]:
@@ -185,14 +192,17 @@ def random_schedule(problem: Problem, rng: random.Random, recompute_share: float
     return _build(picks, joined)
 
 
-def bn_relu_conv(blocks=1, conv_workspace=300):
+def bn_relu_conv(blocks=1, conv_workspace=300, relu_held_input=0):
     """Blocks of three stages, as ResNet at sublayer granularity: a BatchNorm whose output only the next stage's
-    ReLU reads (nothing saves it), the ReLU (saved by itself and the convolution) and a convolution."""
+    ReLU reads (nothing saves it), the ReLU (saved by itself and the convolution) and a convolution.
+    ``relu_held_input``: what holding the BatchNorm's output adds to the ReLU's re-run (in its recompute workspace),
+    not there when the region made it (``Stage.rerun_input_saving_bytes``)."""
     stages, tensors = [], []
     for b in range(blocks):
         k = 3 * b
         last = b == blocks - 1
-        stages += [Stage(f"bn{b}", 1.0, 2.0), Stage(f"relu{b}", 1.0, 2.0),
+        stages += [Stage(f"bn{b}", 1.0, 2.0), Stage(f"relu{b}", 1.0, 2.0, recompute_workspace_bytes=relu_held_input,
+                                                    rerun_input_saving_bytes=relu_held_input),
                    Stage(f"conv{b}", 3.0, 6.0, forward_workspace_bytes=conv_workspace)]
         tensors += [TensorInfo(f"bn{b}", 100, k, frozenset({k + 1}), node=f"bn{b}"),
                     TensorInfo(f"relu{b}", 100, k + 1, frozenset({k + 2}), frozenset({k + 1, k + 2}),

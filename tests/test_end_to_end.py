@@ -14,7 +14,7 @@ from planner import solvers
 from planner.api import planned_module, pose_problem
 from planner.capture import capture
 from planner.plan import Plan, SolverStatus
-from planner.problem import Schedule, simulate
+from planner.problem import Region, Schedule, simulate
 from tests.helpers import assert_same_training, training_step
 
 MODELS = ["largeblock", "gpt2", "llama", "resnet", "unet"]
@@ -96,4 +96,27 @@ def test_plans_cut_inside_the_blocks_fit_predict_memory_and_train_exactly():
     result = _step(example, planned_module(captured, plan, stage_nodes))
     assert result.peak_bytes <= budget
     assert plan.predicted_peak_bytes == pytest.approx(result.peak_bytes, rel=0.05)
+    assert_same_training(eager, result)
+
+
+def test_regions_spanning_resnet_blocks_at_sublayer_granularity_are_predicted_exactly():
+    """Each residual block recomputed as one region of its sublayers: a BatchNorm's output, read only by the next
+    stage (its ReLU, or the residual add), dies inside that stage's re-run as in the eager step. Counted to the end
+    of the re-run and again as a held input, the plan was predicted 13.10 MB against 11.00 MB measured; with only
+    the first fixed, 12.05 MB."""
+    example = build_example("resnet", size="test")
+    captured = capture(example.model, example.example_inputs, example.example_kwargs)
+    problem, stage_nodes = pose_problem(captured, loss_fn=example.loss_fn, profile_repeats=1, hold_outputs=False,
+                                        granularity="sublayer")
+    blocks: dict[str, list[int]] = {}
+    for k, stage in enumerate(problem.stages):
+        parts = stage.name.split(".")
+        if parts[0] == "blocks":
+            blocks.setdefault(parts[1], []).append(k)
+    schedule = Schedule(tuple(Region(min(ks), max(ks) + 1) for ks in blocks.values()))
+    assert len(schedule.regions) == 6 and all(r.stop - r.start >= 5 for r in schedule.regions)
+    plan = Plan.from_schedule(problem, schedule, solver="blocks", status=SolverStatus.HEURISTIC)
+    eager = training_step(example.model, example.run, example.example_inputs)
+    result = _step(example, planned_module(captured, plan, stage_nodes))
+    assert plan.predicted_peak_bytes == pytest.approx(result.peak_bytes, rel=0.005)
     assert_same_training(eager, result)

@@ -83,6 +83,22 @@ def test_a_tensor_nothing_saves_dies_once_its_last_reader_has_re_run():
     assert recompute.total_bytes == 100 + 40 + 300
 
 
+def test_an_input_the_region_made_is_not_held_through_its_readers_re_run():
+    """The ReLU's recompute workspace (60) is what holding the BatchNorm's output adds to it, as when a region
+    holds its inputs; a region that made it frees it inside the ReLU as the eager step does."""
+    problem = bn_relu_conv(conv_workspace=0, relu_held_input=60)
+
+    def recompute(segments):
+        events = simulate(problem, Schedule.from_segments(segments)).events
+        return max(e.total_bytes for e in events if e.phase is Phase.RECOMPUTE and e.stage == 2)
+
+    # one region: the ReLU re-runs beside the BatchNorm's output (100) with its own (100), no workspace; the
+    # convolution, stopping once it saved its input, with the ReLU's output and its own (40)
+    assert recompute([(0, 3)]) == max(100 + 100, 100 + 40) == 200
+    # the ReLU's region holds the BatchNorm's output from outside: the ReLU's workspace counts
+    assert recompute([(0, 1), (1, 3)]) == max(100 + 100 + 60, 100 + 100 + 40) == 260
+
+
 def test_cached_nodes_are_kept_from_the_forward_and_not_recomputed():
     problem = chain()
     schedule = Schedule((Region(1, 2, (1,)),))

@@ -64,8 +64,8 @@ import numpy as np
 
 from ..errors import PlannerError
 from ..plan import Plan, SolverStatus, relative_gap
-from ..problem import Problem, Region, Schedule, Stage, TensorInfo, recompute_seconds, simulate, \
-    stage_recompute_seconds
+from ..problem import Problem, Region, Schedule, Stage, TensorInfo, recompute_seconds, released_inputs_from, \
+    simulate, stage_recompute_seconds
 from .baselines import chen_sqrt, infeasible_budget_error, store_all, uniform
 from .ilp import unheld_forward_until
 
@@ -152,6 +152,7 @@ class _Rerun:
     left: tuple[int, ...]
     caching: tuple[bool, ...]  # whether the option caches anything (its region then runs through)
     freed_by_next: tuple[int, ...]
+    input_saving: tuple[int, ...]  # what its re-run holds less when its region made its freed inputs (Stage)
 
 
 def _rerun(tensors: tuple[_Local, ...], pinned: tuple[_Pinned, ...], stage: Stage, k: int) -> _Rerun:
@@ -169,7 +170,8 @@ def _rerun(tensors: tuple[_Local, ...], pinned: tuple[_Pinned, ...], stage: Stag
         left.append(kept - consumed - freed_next)
         caching.append(bool(option.cached_nodes))
         freed.append(freed_next)
-    return _Rerun(tuple(through), tuple(stopped), tuple(left), tuple(caching), tuple(freed))
+    saving = tuple(0 if option.cached_nodes else stage.rerun_input_saving_bytes for option in stage.recompute_options)
+    return _Rerun(tuple(through), tuple(stopped), tuple(left), tuple(caching), tuple(freed), saving)
 
 
 def _stage_sums(tensors: tuple[_Local, ...], stage: Stage, rerun: _Rerun) -> _StageSums:
@@ -206,6 +208,7 @@ class _Tables:
     pending: dict[tuple[int, int, str], "_Pending"]  # (i, how stage i-1 ran, kind at i) -> stage i-1's tensors
     option_seconds: tuple[tuple[float, ...], ...]
     stop_skips: tuple[tuple[float, ...], ...]  # per option: what a region that caches nothing saves ending there
+    first_input: tuple[int | None, ...]  # per stage: problem.released_inputs_from
     optimistic: bool = False  # round what H gains down instead of up: a relaxation, for lower bounds
 
     def units(self, nbytes):
@@ -217,6 +220,12 @@ class _Tables:
 
     def seconds(self, k: int, option: int) -> float:
         return self.option_seconds[k][option]
+
+    def input_saving(self, k: int, option: int, start: int) -> int:
+        """What stage ``k``'s re-run with ``option`` holds less in a region from ``start`` (see
+        :func:`~planner.problem.input_saving`)."""
+        first = self.first_input[k]
+        return 0 if first is None or first < start else self.sums[k].rerun.input_saving[option]
 
     def stop_skip(self, k: int, option: int) -> float:
         """What a region that caches nothing saves when it ends at stage ``k`` run with ``option`` (see
@@ -261,7 +270,8 @@ def _tables(problem: Problem, unit: int, optimistic: bool = False) -> _Tables:
                                      _rerun(tuple(locals_[k]), tuple(pinned[k]), stages[k], k)), unit, optimistic)
               for k in range(n)),
         pending, tuple(tuple(o.recompute_seconds for o in s.recompute_options) for s in stages),
-        tuple(tuple(s.stop_saving(o) for o in range(len(s.recompute_options))) for s in stages), optimistic)
+        tuple(tuple(s.stop_saving(o) for o in range(len(s.recompute_options))) for s in stages),
+        tuple(released_inputs_from(problem)), optimistic)
 
 
 def _quantized(sums: _StageSums, unit: int, optimistic: bool) -> _StageSums:
@@ -274,7 +284,8 @@ def _quantized(sums: _StageSums, unit: int, optimistic: bool) -> _StageSums:
         least = {kind: min(sums.forward_end[o, kind] for o in range(len(sums.cached))) for kind in (*KINDS, NONE)}
         options = len(sums.cached)
         lowest = [(min(values),) * options for values in (sums.rerun.stopped, sums.rerun.stopped, sums.rerun.left)]
-        rerun = _Rerun(*lowest, (False,) * options, (min(sums.rerun.freed_by_next),) * options)
+        rerun = _Rerun(*lowest, (False,) * options, (min(sums.rerun.freed_by_next),) * options,
+                       (max(sums.rerun.input_saving),) * options)
         return dataclasses.replace(sums, cached=tuple(map(whole, sums.cached)),
                                    forward_inner=(min(sums.forward_inner),) * options,
                                    forward_end={key: least[key[1]] for key in sums.forward_end}, rerun=rerun)
@@ -541,7 +552,7 @@ class _Region:
                 continue
             left = point.left + last.rerun.left[o]
             reading = last.rerun.freed_by_next[o]
-            rerun = max(point.rerun, point.left + point.reading + last.rerun.through[o])
+            rerun = max(point.rerun, point.left + point.reading + last.rerun.through[o] - t.input_saving(p, o, i))
             carried = point.cached + last.forward_from_prev[o]
             so_far = max(point.need, after)
             for o2, forward_base in enumerate(forward_bases):
@@ -585,7 +596,8 @@ class _Region:
                 seconds += t.problem.caching_region_seconds
             o = point.options[-1]
             own = t.sums[e].rerun  # cached pinned tensors count once, as held from their producer on (rec_base)
-            rerun = max(point.rerun, point.left + point.reading + (own.through[o] if point.caches else own.stopped[o]))
+            rerun = max(point.rerun, point.left + point.reading - t.input_saving(e, o, i)
+                        + (own.through[o] if point.caches else own.stopped[o]))
             recompute = t.rec_base[e] + point.cached + t.sums[e].cached[o] + rerun
             own_forward = t.sums[e].forward_end[o, kind]
             forward = point.need
@@ -662,7 +674,9 @@ def _signature(tables: _Tables, k: int) -> tuple | None:
     Seconds are compared to 12 digits: sums of the same times in another order differ in the last bits."""
     if tables.pinned[k]:
         return None
-    return tables.sums[k], tuple(float(f"{s:.12g}") for s in (*tables.option_seconds[k], *tables.stop_skips[k]))
+    first = tables.first_input[k]
+    return tables.sums[k], None if first is None else k - first, \
+        tuple(float(f"{s:.12g}") for s in (*tables.option_seconds[k], *tables.stop_skips[k]))
 
 
 def _repeats(tables: _Tables) -> dict[int, _Repeat]:

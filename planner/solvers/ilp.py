@@ -32,8 +32,10 @@ Memory (continuous, only bounded from below, since they appear only on the left 
   before ``j`` keep, less what the re-runs up to ``j-1`` read last and free: ``freed(j-1)`` sums each such group's
   ``freed[g] <= w[p,j-1]``, ``<= 1 - c[g]``, at most 1); ``inside_from[j] >= inside(j) + inside_from[j+1]
   - M (1 - s[j])`` (caches that the re-runs of ``j`` and the later stages of its region consume themselves);
-  ``through[j] >= kept_before[j] + kept(j) + workspace(j) + inside_from[j]`` (the moment ``j`` re-runs, when the
-  re-run goes on past it). ``rerun[k] >= through[j] +
+  ``through[j] >= kept_before[j] + kept(j) + workspace(j) + inside_from[j] - saving(j)`` (the moment ``j``
+  re-runs, when the re-run goes on past it; ``saving(j)`` is ``Stage.rerun_input_saving_bytes`` times
+  ``input_saving[j] <= w[first,j]``, ``<=`` the sum of ``j``'s options that cache nothing, where ``first`` makes
+  the first input ``j`` frees: ``problem.input_saving``). ``rerun[k] >= through[j] +
   output_grad_bytes(k) - M (2 - w[j,k] - e[k])`` for every ``j < k``, and ``>=`` the moment of ``k`` itself
   ``- M (1 - e[k])``: as ``through[k]``, but when its region caches nothing it stops after ``k``'s last saving op
   (``Stage.stopped_rerun``; ``runs_on[k] >= gap(k) (caches[k] + x[k,o] - 1)`` adds the rest when the region
@@ -86,7 +88,7 @@ import pulp
 from ..errors import PlannerError
 from ..plan import Plan, SolverStatus
 from ..problem import (Phase, Problem, Region, Schedule, TensorInfo, keeps, last_rerun_reader, liveness,
-                       recompute_seconds, simulate)
+                       recompute_seconds, released_inputs_from, simulate)
 from .baselines import chen_sqrt, fewest_blocks, infeasible_budget_error, store_all, uniform
 
 Expr = pulp.LpAffineExpression
@@ -420,8 +422,11 @@ class Encoding:
         self.caches = caches
         kept_before, most_before = self._kept_before(reruns)
         inside_from, most_inside = self._inside_from(reruns)
+        first_input = released_inputs_from(self.problem)
+        saving = [self._input_saving(k, first) for k, first in enumerate(first_input)]
         through = [self._at_least_or_zero(f"through_{j}", [kept_before[j] + self._over_options(j, r.through)
-                                                          + inside_from[j]]) for j, r in enumerate(reruns)]
+                                                          + inside_from[j] - saving[j]])
+                   for j, r in enumerate(reruns)]
         most_through = [b + max(0, max(r.through)) + i for b, r, i in zip(most_before, reruns, most_inside)]
         peaks = []
         for k, last in enumerate(reruns):
@@ -429,7 +434,7 @@ class Encoding:
                                               else [pulp.lpSum(g * (caches[k] + x - 1)
                                                                for g, x in zip(last.gap, self.choose[k]) if g)])
             output_grads = self.problem.stages[k].output_grad_bytes
-            ends = kept_before[k] + self._over_options(k, last.stopped) + runs_on + inside_from[k]
+            ends = kept_before[k] + self._over_options(k, last.stopped) + runs_on + inside_from[k] - saving[k]
             most = most_before[k] + max(0, max(last.stopped) + max(last.gap)) + most_inside[k] + output_grads
             bounds = [ends + output_grads - most * (1 - self.region_end(k))]
             for j in range(k):  # the moments of the region's earlier stages, when j .. k is a region
@@ -437,6 +442,17 @@ class Encoding:
                 bounds.append(through[j] + output_grads - (most_through[j] + output_grads) * (1 - together))
             peaks.append(self.at_least(f"rerun_{k}", bounds))
         return peaks
+
+    def _input_saving(self, k: int, first: int | None) -> Expr | int:
+        """What stage ``k``'s re-run holds less when its region made every input it frees
+        (``Stage.rerun_input_saving_bytes``): times ``saved[k] <= w[first,k]`` and ``<=`` the sum of ``k``'s
+        options that cache nothing, which a smaller re-run moment pushes up to that."""
+        stage = self.problem.stages[k]
+        plain = [x for x, option in zip(self.choose[k], stage.recompute_options) if not option.cached_nodes]
+        if first is None or not stage.rerun_input_saving_bytes or not plain:
+            return 0
+        return stage.rerun_input_saving_bytes * self.at_most(f"input_saving_{k}",
+                                                             [self.same_region(first, k), pulp.lpSum(plain)])
 
     def stops_early(self, k: int) -> pulp.LpVariable | Expr:
         """At most 1 when a region that caches nothing ends at ``k`` (its re-run stops early there), else at most
