@@ -301,7 +301,7 @@ def _bf16_step(module):
     return out.float().pow(2).mean()
 
 
-def test_autocast_plans_and_trains_in_the_callers_precision():
+def test_autocast_plans_and_trains_in_the_callers_precision(full_calibration):
     torch.manual_seed(0)
     model = Dropping()
     eager = training_step(model, _bf16_step, (X,))
