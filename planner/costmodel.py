@@ -42,7 +42,7 @@ import torch.fx as fx
 
 from .dropout import is_mask
 from .errors import PlannerError
-from .problem import Phase, Problem, RecomputeOption, Schedule, Stage, TensorInfo, keeps, simulate
+from .problem import Phase, Problem, RecomputeOption, Schedule, Stage, TensorInfo, keeps, last_rerun_reader, simulate
 from .profile import GraphProfile, NodeProfile, StageMeasurement
 
 CACHE_SHARES = (0.25, 0.5, 0.75, 1.0)
@@ -439,6 +439,7 @@ def build_problem(profile: GraphProfile, stages: Sequence[StageSpec], *, random_
         for key in n.saved if n.in_backward else ():
             savers.setdefault(key, set()).add(stage_of[n.name])
     tensors = []
+    released: list[dict[int, int]] = [{} for _ in stages]  # per stage: storages it reads last, nothing saves
     for n in profile.nodes:
         producer = stage_of[n.name]
         for record in n.created:
@@ -449,6 +450,8 @@ def build_problem(profile: GraphProfile, stages: Sequence[StageSpec], *, random_
                 seconds=n.seconds, module_path=n.module_path,
                 consumers=frozenset(readers.get(record.key, set()) - {producer}),
                 savers=frozenset(savers.get(record.key, set())), is_output=hold_outputs and record.key in profile.output_keys))
+            if (reader := last_rerun_reader(tensors[-1])) is not None:
+                released[reader][record.key] = record.nbytes
     grad_stage: dict[str, int] = {}
     for n in profile.nodes:
         for param in n.param_reads if n.in_backward else ():
@@ -468,34 +471,8 @@ def build_problem(profile: GraphProfile, stages: Sequence[StageSpec], *, random_
                            early_stop_seconds=early_stop_seconds(nodes)))
     problem = Problem(tuple(built), tuple(tensors), profile.fixed_bytes + extra_fixed_bytes, name)
     last_use = {key: max(readers.get(key, set()) | savers.get(key, set())) for key in readers.keys() | savers.keys()}
-    stage_nodes = [[by_name[x] for x in spec.nodes] for spec in stages]
-
-    def outlives(key: int, k: int) -> bool:
-        return last_use.get(key, -1) > k or key in profile.output_keys
-    released = _released_storages(profile, stage_of, readers, savers, hold_outputs)
-    held = [held_input_excess(nodes, released[k], lambda key, k=k: outlives(key, k))
-            for k, nodes in enumerate(stage_nodes)]
-    saving = [rerun_input_saving(nodes, released[k], lambda key, k=k: outlives(key, k))
-              for k, nodes in enumerate(stage_nodes)]
-    problem = dataclasses.replace(problem, stages=tuple(
-        dataclasses.replace(stage, held_input_bytes=extra, rerun_input_saving_bytes=less)
-        for stage, extra, less in zip(problem.stages, held, saving)))
-    return _with_caching_workspaces(problem, stage_nodes, outlives)
-
-
-def _released_storages(profile: GraphProfile, stage_of: dict[str, int], readers: dict[int, set[int]],
-                       savers: dict[int, set[int]], hold_outputs: bool) -> list[dict[int, int]]:
-    """Per stage: the storages of earlier stages that it reads last and that nothing saves (nor holds as a model
-    output), by key, with their bytes: an eager step frees them inside it (see :func:`_released_in_reader`)."""
-    released: list[dict[int, int]] = [{} for _ in range(max(stage_of.values(), default=-1) + 1)]
-    for n in profile.nodes:
-        producer = stage_of[n.name]
-        for record in n.created:
-            last = max(readers.get(record.key, set()), default=producer)
-            if (record.survives and last > producer and not savers.get(record.key)
-                    and not (hold_outputs and record.key in profile.output_keys)):
-                released[last][record.key] = record.nbytes
-    return released
+    return _with_replayed_workspaces(problem, [[by_name[x] for x in spec.nodes] for spec in stages], released,
+                                     lambda key, k: last_use.get(key, -1) > k or key in profile.output_keys)
 
 
 def held_input_excess(nodes: Sequence[NodeProfile], inputs: dict[int, int], outlives: Callable[[int], bool]) -> int:
@@ -559,12 +536,17 @@ def _crossing_gradient_bytes(profile: GraphProfile, stage_of: dict[str, int], re
     return crossing
 
 
-def _with_caching_workspaces(problem: Problem, stage_nodes: Sequence[Sequence[NodeProfile]],
-                             outlives: Callable[[int, int], bool]) -> Problem:
-    """``problem`` with the recompute workspace of every caching option set from a replay of its re-run (see
-    :func:`caching_workspace`). ``outlives(key, k)``: whether a storage of stage ``k`` is read or saved by a later
-    stage, or is an output. Options that cache nothing keep the calibrated forward workspace: a region that
-    caches nothing stops its re-run early, and until then repeats the eager forward."""
+def _with_replayed_workspaces(problem: Problem, stage_nodes: Sequence[Sequence[NodeProfile]],
+                              released: Sequence[dict[int, int]], outlives: Callable[[int, int], bool]) -> Problem:
+    """``problem`` with what replays of its stages' re-runs tell: the recompute workspace of every caching option
+    (see :func:`caching_workspace`), the forward workspace of every option inside a region
+    (:func:`checkpointed_forward_peak`), a re-run's working set when its region stops early after it
+    (:func:`stopped_rerun_peak`), and what holding the storages each stage frees (``released[k]``, by key, with
+    their bytes) adds to it, and how much of that is not there when its region made them
+    (:func:`held_input_excess`, :func:`rerun_input_saving`). ``outlives(key, k)``: whether a storage of stage
+    ``k`` is read or saved by a later stage, or is an output. Options that cache nothing keep the calibrated
+    forward workspace: a region that caches nothing stops its re-run early, and until then repeats the eager
+    forward."""
     own: list[list[TensorInfo]] = [[] for _ in problem.stages]
     for t in problem.tensors:
         own[t.producer].append(t)
@@ -576,7 +558,10 @@ def _with_caching_workspaces(problem: Problem, stage_nodes: Sequence[Sequence[No
             o, forward_bytes=checkpointed_forward_peak(nodes, o.cached_nodes, outlives_k),
             workspace_bytes=caching_workspace(nodes, own[k], o.cached_nodes, outlives_k) if o.cached_nodes else None)
             for o in stage.recompute_options)
-        stage = dataclasses.replace(stage, stopped_rerun_bytes=stopped_rerun_peak(nodes, outlives_k))
+        held = held_input_excess(nodes, released[k], outlives_k)
+        stage = dataclasses.replace(stage, stopped_rerun_bytes=stopped_rerun_peak(nodes, outlives_k),
+                                    held_input_bytes=held,
+                                    rerun_input_saving_bytes=rerun_input_saving(nodes, released[k], outlives_k, held))
         stages.append(dataclasses.replace(stage, options=options) if stage.options else stage)
     return dataclasses.replace(problem, stages=tuple(stages))
 
@@ -651,12 +636,13 @@ def _stopped_run(nodes: Sequence[NodeProfile]) -> tuple[list[NodeProfile], set[i
     return [*nodes[:stop], last], read_later
 
 
-def rerun_input_saving(nodes: Sequence[NodeProfile], inputs: dict[int, int], outlives: Callable[[int], bool]) -> int:
+def rerun_input_saving(nodes: Sequence[NodeProfile], inputs: dict[int, int], outlives: Callable[[int], bool],
+                       held: int) -> int:
     """What a stage's re-run (its ``nodes``) holds less than its working set counts when its region made its
     ``inputs`` (storages of earlier stages it reads last, which nothing saves): they die inside it, as in the
-    eager step, where the working set holds them as a region's inputs (:func:`held_input_excess`). The least of
-    that for a re-run that runs through and one that stops early after the stage (inputs read from the node it
-    stops at on stay alive until it stops), so that neither is under-counted.
+    eager step, where the working set holds them as a region's inputs (:func:`held_input_excess`: ``held``). The
+    least of that for a re-run that runs through and one that stops early after the stage (inputs read from the
+    node it stops at on stay alive until it stops), so that neither is under-counted.
 
     >>> from planner.profile import StorageRecord
     >>> def node(name, made, reads=(), saved=()):
@@ -664,16 +650,16 @@ def rerun_input_saving(nodes: Sequence[NodeProfile], inputs: dict[int, int], out
     ...     return NodeProfile(name, "", 1.0, 0, records, frozenset(reads), frozenset(saved), frozenset(), False,
     ...                        made_by_last_save=len(made) if saved else None)
     >>> add_relu = [node("add", [(2, 100)], {1}), node("relu", [(3, 100)], {2}, saved={3})]
-    >>> rerun_input_saving(add_relu, {1: 100}, lambda key: key == 3)   # the BatchNorm's output dies after the add
+    >>> held = held_input_excess(add_relu, {1: 100}, lambda key: key == 3)
+    >>> rerun_input_saving(add_relu, {1: 100}, lambda key: key == 3, held)   # the BatchNorm's output dies after add
     100
     """
-    through = held_input_excess(nodes, inputs, outlives)
     stopped = _stopped_run(nodes)
     if stopped is None:
-        return through
+        return held
     run, read_later = stopped
     early = {key: size for key, size in inputs.items() if key not in read_later}
-    return min(through, held_input_excess(run, early, lambda key: outlives(key) or key in read_later))
+    return min(held, held_input_excess(run, early, lambda key: outlives(key) or key in read_later))
 
 
 def checkpointed_forward_peak(nodes: Sequence[NodeProfile], cached: frozenset[str],
@@ -852,8 +838,8 @@ def _released_in_reader(problem: Problem) -> list[int]:
     """
     released = [0] * problem.num_stages
     for t in problem.tensors:
-        if not t.savers and not t.is_output and t.last_forward_use > t.producer:
-            released[t.last_forward_use] += t.nbytes
+        if (reader := last_rerun_reader(t)) is not None:
+            released[reader] += t.nbytes
     return released
 
 

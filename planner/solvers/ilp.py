@@ -378,24 +378,26 @@ class Encoding:
             caches.append(self._at_least_or_zero(f"caches_{j}", bounds))
         return caches
 
-    def _freed_after(self, j: int) -> Expr | int:
-        """Bytes that the stages of ``j``'s region before ``j`` keep and ``j``'s re-run reads last, so that they
-        die (:func:`~planner.problem.last_rerun_reader`): each group's ``freed[g] <= w[p,j]`` and ``<= 1 - c[g]``
-        (recomputed in ``j``'s region, not cached), which a smaller ``kept_before`` pushes up to that."""
-        terms = []
+    def _freed_after(self) -> list[Expr | int]:
+        """Per stage ``j``, bytes that the stages of ``j``'s region before ``j`` keep and ``j``'s re-run reads
+        last, so that they die (:func:`~planner.problem.last_rerun_reader`): each group's ``freed[g] <= w[p,j]``
+        and ``<= 1 - c[g]`` (recomputed in ``j``'s region, not cached), which a smaller ``kept_before`` pushes up to
+        that."""
+        terms: list[list] = [[] for _ in range(self.problem.num_stages)]
         for index, g in enumerate(self.groups):
-            if g.producer < j and last_rerun_reader(g) == j:
+            if (j := last_rerun_reader(g)) is not None:
                 bounds = [self.same_region(g.producer, j)] + ([1 - self.cached(g)] if g.caching_options else [])
-                terms.append(g.nbytes * self.at_most(f"freed_{index}", bounds))
-        return pulp.lpSum(terms) if terms else 0
+                terms[j].append(g.nbytes * self.at_most(f"freed_{index}", bounds))
+        return [pulp.lpSum(t) if t else 0 for t in terms]
 
     def _kept_before(self, reruns: list[_StageRerun]) -> tuple[list, list[int]]:
         """``kept_before[j]``: what the stages of ``j``'s region before ``j`` keep and its re-run still holds; and
         the most it can be."""
         most = [sum(max(r.kept) for r in reruns[:j]) for j in range(len(reruns))]
+        freed = self._freed_after()
         kept_before: list = [0]
         for j in range(1, len(reruns)):
-            link = kept_before[j - 1] + self._over_options(j - 1, reruns[j - 1].kept) - self._freed_after(j - 1)
+            link = kept_before[j - 1] + self._over_options(j - 1, reruns[j - 1].kept) - freed[j - 1]
             bounds = [link - most[j] * (1 - self.share[j - 1])] if most[j] else []
             kept_before.append(self._at_least_or_zero(f"kept_before_{j}", bounds))
         return kept_before, most
