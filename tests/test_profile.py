@@ -1,7 +1,7 @@
-import time
-
+import pytest
 import torch
 
+import planner.timing
 from planner.capture import capture
 from planner.dropout import draw_buffer_bytes
 from planner.meter import storage_bytes
@@ -81,27 +81,45 @@ def test_default_loss_prefers_a_scalar_output():
     assert summed.item() == 5.0
 
 
-def _varying_step(seconds: list[float]):
-    """A step that sleeps for the next of ``seconds`` in turn and counts its calls."""
+class _Clock:
+    """A stand-in for ``time`` in ``planner.timing``: steps advance it, so their times are exact (a 1 ms sleep
+    took a median 2.1 ms on a loaded CI machine)."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    fake = _Clock()
+    monkeypatch.setattr(planner.timing, "time", fake)
+    return fake
+
+
+def _varying_step(clock: _Clock, seconds: list[float]):
+    """A step that takes the next of ``seconds`` in turn on ``clock`` and counts its calls."""
     calls = []
 
     def step():
-        time.sleep(seconds[len(calls) % len(seconds)])
+        clock.now += seconds[len(calls) % len(seconds)]
         calls.append(1)
     return step, calls
 
 
-def test_paired_step_seconds_stops_once_the_medians_are_precise_enough():
-    eager, eager_calls = _varying_step([0.001])
-    slow, _ = _varying_step([0.003, 0.004, 0.005])
+def test_paired_step_seconds_stops_once_the_medians_are_precise_enough(clock):
+    eager, eager_calls = _varying_step(clock, [0.001])
+    slow, _ = _varying_step(clock, [0.003, 0.004, 0.005])
     # a loose tolerance is met after the minimum rounds (3, after one warm-up)
     paired_step_seconds({"eager": eager, "slow": slow}, 3, "eager", tolerance=10.0, max_rounds=12)
     assert len(eager_calls) == 4
 
 
-def test_paired_step_seconds_adds_rounds_while_the_medians_are_noisy():
-    eager, eager_calls = _varying_step([0.001])
-    slow, _ = _varying_step([0.003, 0.004, 0.005])
+def test_paired_step_seconds_adds_rounds_while_the_medians_are_noisy(clock):
+    eager, eager_calls = _varying_step(clock, [0.001])
+    slow, _ = _varying_step(clock, [0.003, 0.004, 0.005])
     # an unreachable tolerance runs to max_rounds; the baseline maps to its median, the other to its median excess
     seconds = paired_step_seconds({"eager": eager, "slow": slow}, 3, "eager", tolerance=1e-9, max_rounds=7)
     assert len(eager_calls) == 8
@@ -109,9 +127,9 @@ def test_paired_step_seconds_adds_rounds_while_the_medians_are_noisy():
     assert seconds["slow"].clearly_above(0) and seconds["slow"].standard_error > 0
 
 
-def test_paired_step_seconds_gives_up_at_its_time_limit():
-    eager, eager_calls = _varying_step([0.001])
-    slow, _ = _varying_step([0.003, 0.004, 0.005])
+def test_paired_step_seconds_gives_up_at_its_time_limit(clock):
+    eager, eager_calls = _varying_step(clock, [0.001])
+    slow, _ = _varying_step(clock, [0.003, 0.004, 0.005])
     paired_step_seconds({"eager": eager, "slow": slow}, 2, "eager", tolerance=1e-9, max_rounds=50, max_seconds=0.0)
     assert len(eager_calls) == 3  # the minimum rounds run, then the time is up
 
