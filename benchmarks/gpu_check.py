@@ -131,9 +131,10 @@ def measure(step: Callable[[], None], fixed: list[torch.Tensor], on_cuda: bool,
 
 
 def check_model(kind: str, size: str, device: str, *, shares=(1.0, 0.7, 0.5), margin: float = 0.05,
-                repeats: int = 5, spec: str | None = None, profile_repeats: int = 3,
+                repeats: int = 5, spec: str | None = None, profile_repeats: int = 3, solve_seconds: float = 20.0,
                 out: Callable[[str], Any] = print) -> list[Row]:
-    """Plan ``kind`` at each share of its eager peak and at uniform checkpointing's peak; measure each plan."""
+    """Plan ``kind`` at each share of its eager peak and at uniform checkpointing's peak (each solve given
+    ``solve_seconds``); measure each plan."""
     from planner import solvers
     from planner.api import planned_module, pose
     from planner.capture import capture
@@ -177,12 +178,15 @@ def check_model(kind: str, size: str, device: str, *, shares=(1.0, 0.7, 0.5), ma
     budgets.append(("uniform", budget_for_usable(uniform, margin)))
     for label, budget in budgets:
         try:
-            plan = solvers.solve(problem, usable_bytes(budget, margin), method="auto")
+            plan = solvers.solve(problem, usable_bytes(budget, margin), method="auto", time_limit=solve_seconds)
         except InfeasibleBudgetError:
             out(f"  {label}: infeasible")
             continue
         module = planned_module(captured, plan, posed.stage_nodes)
         peak, reserved, seconds = measure(step_of(module), fixed, on_cuda, repeats)
+        out(f"  {label}: solved in {plan.solve_seconds:.1f} s ({plan.solver}, gap {plan.gap or 0:.1%}); peak "
+            f"{peak / 2**20:.1f} MiB for {plan.predicted_peak_bytes / 2**20:.1f} predicted, step "
+            f"{seconds * 1e3:.1f} ms")
         rows.append(Row(kind, label, plan.predicted_peak_bytes, peak, reserved, plan.predicted_overhead,
                         seconds / eager_seconds - 1, seconds))
     return rows
@@ -217,6 +221,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
     parser.add_argument("--models", default="gpt2,llama")
     parser.add_argument("--margin", type=float, default=0.05)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--solve-seconds", type=float, default=20.0, help="the solver's time for each plan")
     parser.add_argument("--spec", help="also predict the eager step with this device's roofline (e.g. h200)")
     parser.add_argument("--out", help="also write the report (Markdown) there")
     args = parser.parse_args(argv)
@@ -234,7 +239,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
     for kind in [m.strip() for m in args.models.split(",") if m.strip()]:
         try:
             rows += check_model(kind, args.size, args.device, margin=args.margin, repeats=args.repeats,
-                                spec=args.spec, out=say)
+                                spec=args.spec, solve_seconds=args.solve_seconds, out=say)
         except Exception:  # report it and go on: the session may not come back
             say(f"{kind} failed:\n{traceback.format_exc()}")
         if args.device.startswith("cuda"):

@@ -120,34 +120,54 @@ def test_a_short_time_limit_still_returns_a_plan_within_budget():
         assert plan.gap is None or plan.gap >= 0
 
 
-@pytest.mark.parametrize("crashes", ["with a start", "always"])
-def test_a_crashing_solver_leaves_the_warm_start_or_the_plan_without_it(monkeypatch, crashes):
-    """CBC 2.10 segfaulted reading the MIP start of a 50-stage Llama problem: the ILP then solves without one, and
-    when the solver fails every time, the warm start (which fits) is the plan."""
+def test_a_crashing_solver_leaves_the_warm_start(monkeypatch):
+    """CBC 2.10 segfaulted on a 50-stage Llama problem: when the solver fails, the warm start (which fits) is the
+    plan, not proven."""
     import pulp
     import planner.solvers.ilp as ilp
 
     monkeypatch.setattr(ilp, "_has_highs", lambda: False)
-    starts: list[bool] = []
 
     class Crashing(pulp.PULP_CBC_CMD):
         def actualSolve(self, lp, **kwargs):
-            starts.append(self.optionsDict.get("warmStart", False))
-            if crashes == "always" or starts[-1]:
-                raise pulp.PulpSolverError("Pulp: Error while trying to execute cbc")
-            return super().actualSolve(lp, **kwargs)
+            raise pulp.PulpSolverError("Pulp: Error while trying to execute cbc")
 
     monkeypatch.setattr(pulp, "PULP_CBC_CMD", Crashing)
     problem = random_chain(6, 2)
     budget = simulate(problem, Schedule.uniform(6)).peak_bytes
-    warm = Schedule.uniform(6)
-    plan = solve_ilp(problem, budget, warm=warm)
-    assert starts == [True, False] and plan.predicted_peak_bytes <= budget
-    if crashes == "always":
-        assert [(r.start, r.stop) for r in plan.schedule.regions] == [(k, k + 1) for k in range(6)]  # the start
-        assert plan.status == SolverStatus.FEASIBLE and plan.gap is None
-    else:
-        assert plan.status == SolverStatus.OPTIMAL
+    plan = solve_ilp(problem, budget, warm=Schedule.uniform(6))
+    assert [(r.start, r.stop) for r in plan.schedule.regions] == [(k, k + 1) for k in range(6)]  # the start
+    assert plan.status == SolverStatus.FEASIBLE and plan.gap is None
+
+
+@pytest.mark.parametrize("problem", [random_chain(5, 7), random_dag(5, 3)], ids=lambda p: p.name)
+def test_the_warm_start_is_a_cutoff_and_an_optimal_start_is_proven(monkeypatch, problem):
+    """CBC gets the warm schedule as an objective cutoff, not a MIP start (whose "reduced search" overran a 30 s
+    limit by 90 s): started from the optimum, the search finds nothing below it, and the plan is that start,
+    proven optimal; started from uniform checkpointing, it finds the same optimum."""
+    import pulp
+    import planner.solvers.ilp as ilp
+
+    monkeypatch.setattr(ilp, "_has_highs", lambda: False)
+    calls: list[tuple] = []
+
+    class Recording(pulp.PULP_CBC_CMD):
+        def actualSolve(self, lp, **kwargs):
+            calls.append((self.optionsDict.get("warmStart", False), list(self.options)))
+            return super().actualSolve(lp, **kwargs)
+
+    monkeypatch.setattr(pulp, "PULP_CBC_CMD", Recording)
+    eager = simulate(problem, Schedule()).peak_bytes
+    budget = (eager + simulate(problem, Schedule.uniform(problem.num_stages)).peak_bytes) // 2
+    best = brute_force_best(brute_force_table(problem), budget)
+    from_uniform = solve_ilp(problem, budget, warm=Schedule.uniform(problem.num_stages))
+    from_best = solve_ilp(problem, budget, warm=from_uniform.schedule)
+    assert [start for start, _ in calls] == [False, False]
+    assert all(len(options) == 1 and options[0].startswith("cutoff ") for _, options in calls)
+    for plan in (from_uniform, from_best):
+        assert plan.status == SolverStatus.OPTIMAL and plan.gap == 0.0
+        assert plan.predicted_recompute_seconds == pytest.approx(best)
+    assert from_best.schedule == from_uniform.schedule
 
 
 def test_cbc_log_bound_parsing():

@@ -588,26 +588,29 @@ def _has_highs() -> bool:
     return importlib.util.find_spec("highspy") is not None
 
 
-def _run(model: pulp.LpProblem, time_limit: float, gap: float, warm: bool) -> tuple[int, int, float | None]:
-    """Solve ``model``; return PuLP's status, solution status and the best bound when the solver reports one."""
+def _run(model: pulp.LpProblem, time_limit: float, gap: float,
+         cutoff: float | None) -> tuple[int, int, float | None]:
+    """Solve ``model``; return PuLP's status, solution status and the best bound when the solver reports one.
+    ``cutoff``: search only for solutions whose objective is below it (a known schedule's), so that a search
+    that finds none is "infeasible" when it proves there is none, "not solved" when its time ran out.
+
+    CBC gets the known schedule as this cutoff, not as a MIP start: given some starts, its "reduced search"
+    ran 64 s past a 30 s limit (GPT-2 at GPU size, uniform checkpointing's budget), and the cutoff prunes as well.
+    """
     threads = min(os.cpu_count() or 1, 8)
     if _has_highs():
-        solver = pulp.HiGHS(msg=False, timeLimit=time_limit, gapRel=gap, threads=threads)
+        solver = pulp.HiGHS(msg=False, timeLimit=time_limit, gapRel=gap, threads=threads)  # no cutoff: untested
         model.solve(solver)
         info = model.solverModel.getInfo() if hasattr(model, "solverModel") else None
         return model.status, model.sol_status, getattr(info, "mip_dual_bound", None)
     handle, log_path = tempfile.mkstemp(suffix=".log", prefix="planner_cbc_")
     os.close(handle)
     try:
-        for start in (True, False) if warm else (False,):
-            solver = pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit, gapRel=gap, warmStart=start,
-                                       logPath=log_path, threads=threads)
-            try:
-                model.solve(solver)
-                break
-            except pulp.PulpSolverError:  # CBC 2.10 can crash reading a MIP start: try once without one
-                continue
-        else:
+        solver = pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit, gapRel=gap, logPath=log_path, threads=threads,
+                                   options=[] if cutoff is None else [f"cutoff {cutoff!r}"])
+        try:
+            model.solve(solver)
+        except pulp.PulpSolverError:  # CBC 2.10 has crashed (on reading a MIP start): the caller keeps its start
             return pulp.LpStatusNotSolved, pulp.LpSolutionNoSolutionFound, None
         with open(log_path) as log:
             bound = _cbc_bound(log.read())
@@ -639,31 +642,48 @@ def _schedule_from_solution(encoding: Encoding) -> Schedule:
     return Schedule(tuple(regions))
 
 
-def _warm_start(encoding: Encoding, schedule: Schedule | None) -> bool:
+def _cutoff(encoding: Encoding, schedule: Schedule | None) -> float | None:
+    """The objective ``schedule`` reaches in ``encoding``, raised by a hair so that the search may return it: the
+    cutoff below which the solver looks for better (None without a schedule or when its objective is not known)."""
     if schedule is None:
-        return False
+        return None
     variables = encoding.model.variablesDict()
     for name, value in encoding.tight_values(schedule).items():
         if name in variables:
             variables[name].setInitialValue(value)
-    return True
+    objective = pulp.value(encoding.model.objective)
+    return None if objective is None else objective + 1e-6 * max(1.0, abs(objective))
 
 
 def _solve_model(encoding: Encoding, time_limit: float, gap: float, warm: Schedule | None) -> _Outcome:
-    status, solution, bound = _run(encoding.model, time_limit, gap, _warm_start(encoding, warm))
-    if status == pulp.LpStatusInfeasible or solution == pulp.LpSolutionInfeasible:
+    """Search below ``warm``'s objective (a schedule that fits): when nothing better is found, the outcome is
+    ``warm``, proven optimal when the search proved that nothing better exists."""
+    cutoff = _cutoff(encoding, warm)
+    status, solution, bound = _run(encoding.model, time_limit, gap, cutoff)
+    found = solution in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible)
+    infeasible = status == pulp.LpStatusInfeasible or solution == pulp.LpSolutionInfeasible
+    if cutoff is not None and not found:  # nothing below the cutoff: warm stands, proven best if infeasible
+        return _Outcome(warm, infeasible, 0.0 if infeasible else _relative_gap(cutoff, bound), False)
+    if infeasible:
         return _Outcome(None, True, None, True)
-    if solution not in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
+    if not found:
         return _Outcome(None, False, None, False)
     objective = pulp.value(encoding.model.objective) or 0.0
     optimal = solution == pulp.LpSolutionOptimal and gap == 0.0  # proven, with no tolerance asked for
-    relative = None
-    if bound is not None and objective > 0:
-        relative = max(0.0, (objective - bound) / abs(objective))
-    elif optimal:
+    relative = _relative_gap(objective, bound)
+    if relative is None and optimal:
         relative = 0.0
     proven = optimal or (relative is not None and relative <= 1e-9)
     return _Outcome(_schedule_from_solution(encoding), proven, relative, False)
+
+
+def _relative_gap(objective: float, bound: float | None) -> float | None:
+    """How far ``objective`` may be above the optimum, relative to it, given the solver's ``bound``.
+
+    >>> _relative_gap(2.0, 1.5), _relative_gap(2.0, None), _relative_gap(0.0, -1.0)
+    (0.25, None, None)
+    """
+    return max(0.0, (objective - bound) / abs(objective)) if bound is not None and objective > 0 else None
 
 
 def _budget_model(problem: Problem, budget_bytes: int) -> Encoding:
