@@ -610,7 +610,7 @@ def _run(model: pulp.LpProblem, time_limit: float, gap: float,
                                    options=[] if cutoff is None else [f"cutoff {cutoff!r}"])
         try:
             model.solve(solver)
-        except pulp.PulpSolverError:  # CBC 2.10 has crashed (on reading a MIP start): the caller keeps its start
+        except pulp.PulpSolverError:  # CBC crashed (2.10 did, on a 50-stage Llama problem): the caller keeps its start
             return pulp.LpStatusNotSolved, pulp.LpSolutionNoSolutionFound, None
         with open(log_path) as log:
             bound = _cbc_bound(log.read())
@@ -669,6 +669,8 @@ def _solve_model(encoding: Encoding, time_limit: float, gap: float, warm: Schedu
     if not found:
         return _Outcome(None, False, None, False)
     objective = pulp.value(encoding.model.objective) or 0.0
+    if cutoff is not None and objective > cutoff:  # a solver that took no cutoff (HiGHS) found worse than warm
+        return _Outcome(warm, False, _relative_gap(cutoff, bound), False)
     optimal = solution == pulp.LpSolutionOptimal and gap == 0.0  # proven, with no tolerance asked for
     relative = _relative_gap(objective, bound)
     if relative is None and optimal:
