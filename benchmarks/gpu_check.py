@@ -228,14 +228,14 @@ def main(argv: list[str] | None = None) -> list[Row]:
     warnings.filterwarnings("ignore", category=FutureWarning)
     warnings.filterwarnings("ignore", category=DeprecationWarning)
     started = time.perf_counter()
-    lines = [f"Machine: {machine(args.device)}; size {args.size}, allocator margin {args.margin:.0%}."]
+    lines: list[str] = []
     rows = []
 
     def say(line: str) -> None:
         print(line, flush=True)
         lines.append(line)
 
-    say(lines[0])
+    say(f"Machine: {machine(args.device)}; size {args.size}, allocator margin {args.margin:.0%}.")
     for kind in [m.strip() for m in args.models.split(",") if m.strip()]:
         try:
             rows += check_model(kind, args.size, args.device, margin=args.margin, repeats=args.repeats,

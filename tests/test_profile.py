@@ -45,6 +45,26 @@ def test_results_are_written_into_node_meta():
     assert [m.name for m in metas] == [p.name for p in profile.nodes]
 
 
+def test_profiling_keeps_no_tensor_of_its_run_alive():
+    """The profiled run's autograd graph dies with it: an op that saves its own output (tanh, softmax) made a
+    cycle through its grad_fn when the saved-tensor hook returned the tensor itself, and a step's saved activations
+    stayed allocated after planning (on an H200, 11.7 GiB of GPT-2's beside a 13.7 GiB step)."""
+    import gc
+
+    def with_history():
+        gc.collect()
+        return sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor) and o.grad_fn is not None)
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 64),
+                                torch.nn.Softmax(dim=-1), torch.nn.Linear(64, 16))
+    captured = capture(model, (torch.randn(32, 16),))
+    before = with_history()
+    profile = profile_graph(captured, repeats=1)
+    assert with_history() == before
+    assert any(p.saved & {r.key for r in p.created} for p in profile.nodes)  # some op saved its own output
+
+
 def test_profiling_leaves_rng_buffers_and_grads_untouched():
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8), torch.nn.Dropout(0.3))
     x = torch.randn(16, 8)
