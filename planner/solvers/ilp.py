@@ -86,7 +86,7 @@ from typing import Iterable, Sequence
 import pulp
 
 from ..errors import PlannerError
-from ..plan import Plan, SolverStatus
+from ..plan import Plan, SolverStatus, relative_gap
 from ..problem import (Phase, Problem, Region, Schedule, TensorInfo, keeps, last_rerun_reader, liveness,
                        recompute_seconds, released_inputs_from, simulate)
 from .baselines import chen_sqrt, fewest_blocks, infeasible_budget_error, store_all, uniform
@@ -599,7 +599,8 @@ def _run(model: pulp.LpProblem, time_limit: float, gap: float,
     """
     threads = min(os.cpu_count() or 1, 8)
     if _has_highs():
-        solver = pulp.HiGHS(msg=False, timeLimit=time_limit, gapRel=gap, threads=threads)  # no cutoff: untested
+        # no cutoff: HiGHS is not installed where the tests run; _solve_model keeps the start if it finds worse
+        solver = pulp.HiGHS(msg=False, timeLimit=time_limit, gapRel=gap, threads=threads)
         model.solve(solver)
         info = model.solverModel.getInfo() if hasattr(model, "solverModel") else None
         return model.status, model.sol_status, getattr(info, "mip_dual_bound", None)
@@ -643,8 +644,9 @@ def _schedule_from_solution(encoding: Encoding) -> Schedule:
 
 
 def _cutoff(encoding: Encoding, schedule: Schedule | None) -> float | None:
-    """The objective ``schedule`` reaches in ``encoding``, raised by a hair so that the search may return it: the
-    cutoff below which the solver looks for better (None without a schedule or when its objective is not known)."""
+    """The objective ``schedule`` reaches in ``encoding`` (its values are set on the variables to evaluate it),
+    raised by a hair so that the search may return it: the cutoff below which the solver looks for better (None
+    without a schedule or when its objective is not known)."""
     if schedule is None:
         return None
     variables = encoding.model.variablesDict()
@@ -680,12 +682,13 @@ def _solve_model(encoding: Encoding, time_limit: float, gap: float, warm: Schedu
 
 
 def _relative_gap(objective: float, bound: float | None) -> float | None:
-    """How far ``objective`` may be above the optimum, relative to it, given the solver's ``bound``.
+    """:func:`~planner.plan.relative_gap` of a positive ``objective``; None otherwise, where the encoding's objective
+    (recomputation less the stop-early credits) can be 0 or below and a relative gap says nothing.
 
     >>> _relative_gap(2.0, 1.5), _relative_gap(2.0, None), _relative_gap(0.0, -1.0)
     (0.25, None, None)
     """
-    return max(0.0, (objective - bound) / abs(objective)) if bound is not None and objective > 0 else None
+    return relative_gap(objective, bound) if objective > 0 else None
 
 
 def _budget_model(problem: Problem, budget_bytes: int) -> Encoding:
