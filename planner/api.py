@@ -26,8 +26,8 @@ import numpy as np
 import torch
 
 from .budget import Budget, format_bytes, parse_budget
-from .capture import (CapturedGraph, autocast_state, capture, input_signature, is_layout_copy, mutated_nodes,
-                      placed_stage_nodes, plan_key)
+from .capture import (CapturedGraph, autocast_state, capture, casts_uncached, input_signature, is_layout_copy,
+                      mutated_nodes, outside_autocast, placed_stage_nodes, plan_key)
 from .devices import DeviceSpec, device_spec
 from .meta import device_type_of, target_kernels
 from .timing import AnalyticStopwatch, Estimate, stopwatch_for
@@ -282,10 +282,12 @@ def _calibrate_checkpoint_overheads(captured: CapturedGraph, problem: Problem, s
 
     def step(module):
         def run():
-            torch.clear_autocast_cache()  # as a training step under autocast: casts made afresh, freed after
-            loss = loss_of(module(*args, **kwargs))
-            torch.clear_autocast_cache()
-            loss.backward()
+            with casts_uncached():  # as the planned modules run (the eager one runs no hooks that say so)
+                outputs = module(*args, **kwargs)
+            loss = loss_of(outputs)
+            del outputs
+            with outside_autocast():
+                loss.backward()
             for p in captured.graph_module.parameters():
                 p.grad = None
             if on_cuda:

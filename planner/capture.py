@@ -214,6 +214,50 @@ def autocast_state() -> tuple:
                  if torch.is_autocast_enabled(device))
 
 
+@contextlib.contextmanager
+def casts_uncached() -> Iterator[None]:
+    """Autocast's cache of weight casts off (as it was again after): every cast is made where it is used and lives
+    as long as what reads or saves it. How a planned module runs, and how it is profiled, under ``torch.autocast``.
+
+    With the cache, a weight's low-precision copy lives until the outermost autocast block ends, whoever made it:
+    a checkpoint region's forward would keep the casts it does not save, a recomputation would make again the casts
+    its forward found made (a weight read twice, as in ALBERT's shared layers), and a recomputed cached node would
+    replay other ops than its forward recorded.
+
+    >>> import torch
+    >>> with torch.autocast("cpu", dtype=torch.bfloat16):
+    ...     with casts_uncached():
+    ...         inside = torch.is_autocast_cache_enabled()
+    ...     inside, torch.is_autocast_cache_enabled()
+    (False, True)
+    """
+    previous = torch.is_autocast_cache_enabled()
+    torch.set_autocast_cache_enabled(False)
+    try:
+        yield
+    finally:
+        torch.set_autocast_cache_enabled(previous)
+
+
+@contextlib.contextmanager
+def outside_autocast() -> Iterator[None]:
+    """Autocast off on every device it is on for: where a training step runs its backward (``with autocast:`` holds
+    the forward and the loss, ``loss.backward()`` comes after it). A checkpoint's recomputation still runs in the
+    autocast state of its forward.
+
+    >>> import torch
+    >>> with torch.autocast("cpu", dtype=torch.bfloat16):
+    ...     with outside_autocast():
+    ...         inside = autocast_state()
+    ...     inside, autocast_state()
+    ((), (('cpu', 'torch.bfloat16'),))
+    """
+    with contextlib.ExitStack() as stack:
+        for device, _ in autocast_state():
+            stack.enter_context(torch.autocast(device, enabled=False))
+        yield
+
+
 @functools.cache
 def _takes_use_cache(forward: Any) -> bool:
     try:

@@ -468,7 +468,9 @@ def build_problem(profile: GraphProfile, stages: Sequence[StageSpec], *, random_
         built.append(Stage(spec.name, forward_seconds=sum(n.seconds for n in nodes), backward_seconds=0.0,
                            grad_bytes=grads[i], output_grad_bytes=output_grads[i],
                            options=options[:1] if i in makes_output else options,
-                           early_stop_seconds=early_stop_seconds(nodes)))
+                           early_stop_seconds=early_stop_seconds(nodes),
+                           saves_nothing=not any(n.in_backward and (n.saved or n.made_by_last_save is not None)
+                                                 for n in nodes)))
     problem = Problem(tuple(built), tuple(tensors), profile.fixed_bytes + extra_fixed_bytes, name)
     last_use = {key: max(readers.get(key, set()) | savers.get(key, set())) for key in readers.keys() | savers.keys()}
     return _with_replayed_workspaces(problem, [[by_name[x] for x in spec.nodes] for spec in stages], released,

@@ -105,6 +105,10 @@ class Stage:
     ``rerun_input_saving_bytes``: what the stage's re-run with an option that caches nothing holds less than its
     working set says when the region's own re-run made all of those inputs: they die inside it as in the eager
     step, so what holding them adds (``held_input_bytes``, or less where the re-run stops early) is not there.
+    ``saves_nothing``: no op of the stage saves a tensor for the backward, not even a parameter or an input (a
+    residual add, a reshape). A region of such stages only is no region: non-reentrant checkpoint keeps its inputs
+    through what its ops save, so it keeps nothing and re-runs nothing, where this model would hold its inputs
+    (:func:`without_empty_regions`).
     """
 
     name: str
@@ -121,6 +125,7 @@ class Stage:
     early_stop_seconds: float = 0.0
     held_input_bytes: int | None = None
     rerun_input_saving_bytes: int = 0
+    saves_nothing: bool = False
 
     @property
     def recompute_options(self) -> tuple[RecomputeOption, ...]:
@@ -600,6 +605,21 @@ def simulate(problem: Problem, schedule: Schedule) -> Evaluation:
     recompute = recompute_seconds(problem, schedule) + (problem.per_step_seconds if schedule.regions else 0.0)
     base = sum(s.forward_seconds + s.backward_seconds for s in problem.stages)
     return Evaluation(max(e.total_bytes for e in events), recompute, base + recompute, tuple(events))
+
+
+def without_empty_regions(problem: Problem, schedule: Schedule) -> Schedule:
+    """``schedule`` less its regions whose stages all save nothing (``Stage.saves_nothing``): run by a checkpoint,
+    such a region keeps nothing and re-runs nothing, as if stored, while :func:`simulate` would hold its inputs
+    until its backward; stored, it is what it is, and costs no checkpoint call. No peak or time this model
+    predicts is higher without them.
+
+    >>> stages = (Stage("mlp", 1.0, 2.0), Stage("residual", 0.1, 0.1, saves_nothing=True))
+    >>> problem = Problem(stages, (TensorInfo("h", 100, 0, frozenset({1}), frozenset({0})),))
+    >>> without_empty_regions(problem, Schedule((Region(0, 1), Region(1, 2)))).regions
+    (Region(start=0, stop=1, options=()),)
+    """
+    kept = tuple(r for r in schedule.regions if not all(problem.stages[k].saves_nothing for k in r.stages))
+    return schedule if len(kept) == len(schedule.regions) else Schedule(kept)
 
 
 def recompute_seconds(problem: Problem, schedule: Schedule) -> float:

@@ -33,7 +33,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import FlopCounterMode
 
-from .capture import CapturedGraph, flat_call_args, module_path, written_inputs
+from .capture import CapturedGraph, casts_uncached, flat_call_args, module_path, outside_autocast, written_inputs
 from .meter import LiveMemoryMeter, hidden_bytes, storage_bytes
 from .timing import Estimate, Stopwatch, WallStopwatch, interleaved_rounds, median_standard_error
 
@@ -300,7 +300,7 @@ def profile_graph(captured: CapturedGraph, *, repeats: int = 3, stopwatch: Stopw
     param_storages, grad_bytes = _param_storages(gm)
     stopwatch = stopwatch or WallStopwatch()
     timings: dict[str, list[float]] = {}
-    with preserved_training_state(gm):
+    with preserved_training_state(gm), casts_uncached():  # as the planned module runs
         interp = ProfilingInterpreter(gm, param_storages, kernels)
         outputs = interp.run(*flat)
         output_keys = frozenset(k for k in (interp.tracker.key_of(t) for t in tree_leaves(outputs)
@@ -423,16 +423,16 @@ def measure_stages(captured: CapturedGraph, stage_of: dict[str, int], num_stages
     loss_of = loss_fn or default_loss
 
     def one_step(on_forward, on_backward_start, on_backward_done):
-        torch.clear_autocast_cache()  # under autocast, a training step casts the weights afresh...
-        interp = _MarkingInterpreter(gm, stage_of, on_forward, on_backward_done, kernels)
-        outputs = interp.run(*flat)
+        with casts_uncached():  # as the planned module runs
+            interp = _MarkingInterpreter(gm, stage_of, on_forward, on_backward_done, kernels)
+            outputs = interp.run(*flat)
         loss = loss_of(outputs)
         if not hold_outputs:
             del outputs
             interp.env.clear()
-        torch.clear_autocast_cache()  # ...and leaves the autocast block before its backward
-        on_backward_start()
-        loss.backward()
+        with outside_autocast():
+            on_backward_start()
+            loss.backward()
         for p in gm.parameters():
             p.grad = None
 

@@ -11,8 +11,9 @@ Selective checkpointing's own modes would see every op of the region, twice: at 
 half a block's recomputation. Under ``torch.compile`` the cached ops are annotated, and selective checkpointing's
 policy (:func:`_cache_policy`) tells the partitioner to save them.
 
-Exactness: checkpoint restores the CPU/CUDA RNG and autocast state for the recomputation, random ops are never
-cached (so the recomputation draws the same numbers in the same order) but for the dropout masks of
+Exactness: checkpoint restores the CPU/CUDA RNG and autocast state for the recomputation (the module runs with
+autocast's cache of weight casts off, so both passes cast alike: :func:`_casts_uncached_before`), random ops are
+never cached (so the recomputation draws the same numbers in the same order) but for the dropout masks of
 :mod:`planner.dropout` (a kept mask keeps the generator's state after its draw, and its replay sets the generator
 to it, so the masks drawn again after it draw what the forward drew), BatchNorm runs with momentum 0 while
 recomputing (``running * 1 + batch * 0`` is the running value exactly) and in-place buffer updates such as
@@ -439,5 +440,22 @@ def apply_plan(graph_module: fx.GraphModule, plan: Plan) -> fx.GraphModule:
         if hasattr(graph_module, attr):
             setattr(result, attr, getattr(graph_module, attr))
     result.recompile()
+    result.register_forward_pre_hook(_casts_uncached_before)
+    result.register_forward_hook(_casts_uncached_after, always_call=True)
     return result
+
+
+def _casts_uncached_before(module: torch.nn.Module, args: tuple) -> None:
+    """A planned module's forward runs with autocast's cache of weight casts off (see
+    :func:`planner.capture.casts_uncached`): a checkpoint region then casts in its forward and its recomputation
+    alike, and a cast lives as long as what reads or saves it, as the execution model says. Compiled code casts
+    without the cache anyway."""
+    if not torch.compiler.is_compiling():
+        _STATE.__dict__.setdefault("cast_cache", []).append(torch.is_autocast_cache_enabled())
+        torch.set_autocast_cache_enabled(False)
+
+
+def _casts_uncached_after(module: torch.nn.Module, args: tuple, output: Any) -> None:
+    if not torch.compiler.is_compiling():
+        torch.set_autocast_cache_enabled(_STATE.cast_cache.pop())
 

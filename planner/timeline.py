@@ -31,7 +31,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 import torch.fx as fx
 
-from .capture import CapturedGraph, flat_call_args
+from .capture import CapturedGraph, casts_uncached, flat_call_args, outside_autocast
 from .errors import PlannerError
 from .meter import LiveMemoryMeter, storage_bytes
 from .problem import Phase, Problem, Schedule, simulate
@@ -246,13 +246,15 @@ def _run_marked_step(gm: fx.GraphModule, flat: list, stage_of: dict[str, int], n
     recorder = _Recorder(meter)
     with preserved_training_state(gm), _interpreted_regions(gm, stage_of, recorder), meter:
         interp = _StageInterpreter(gm, stage_of, recorder)
-        outputs = interp.run(*flat)
+        with casts_uncached():  # as a planned module runs (an interpreter runs no module hooks)
+            outputs = interp.run(*flat)
         loss = loss_fn(outputs)
         if not hold_outputs:
             del outputs
             interp.env.clear()
-        recorder.backward_starts(num_stages - 1)
-        loss.backward()
+        with outside_autocast():
+            recorder.backward_starts(num_stages - 1)
+            loss.backward()
         del loss
         for p in gm.parameters():
             p.grad = None

@@ -13,6 +13,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import planner
+from planner.capture import casts_uncached
 from planner.parts import PartialCaptureWarning
 from tests.helpers import NoGradInside, StepResult, assert_same_training, training_step
 
@@ -301,25 +302,75 @@ def _bf16_step(module):
     return out.float().pow(2).mean()
 
 
-def test_autocast_plans_and_trains_in_the_callers_precision(full_calibration):
+def test_autocast_plans_and_trains_in_the_callers_precision():
     torch.manual_seed(0)
     model = Dropping()
     eager = training_step(model, _bf16_step, (X,))
     fp32 = training_step(model, lambda m: _square_mean(m(X)), (X,))
     assert eager.peak_bytes < fp32.peak_bytes  # bf16 activations: a different problem
-    opt = planner.optimize(model, "60%", loss_fn=lambda out: out.float().pow(2).mean(), profile_repeats=1)
+    opt = planner.optimize(model, "60%", loss_fn=lambda out: out.float().pow(2).mean(), profile_repeats=1,
+                           hold_outputs=False)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         opt(X)  # plans on the first call, in bf16
     bf16_plan = opt.plan
     assert bf16_plan.regions and bf16_plan.eager_peak_bytes < fp32.peak_bytes
     planned = training_step(opt, _bf16_step, (X,), owner=model)
     assert planned.peak_bytes <= bf16_plan.budget_bytes
-    assert planned.peak_bytes == pytest.approx(bf16_plan.predicted_peak_bytes, rel=0.05)
+    assert planned.peak_bytes == pytest.approx(bf16_plan.predicted_peak_bytes, rel=0.03)
     assert planned.peak_bytes <= 0.65 * eager.peak_bytes, (planned.peak_bytes, eager.peak_bytes)
     assert_same_training(eager, planned, atol=0)  # dropout and bf16 recomputed exactly
     opt(X)  # full precision: a plan of its own
     assert opt.plan is not bf16_plan and opt.plan.eager_peak_bytes > bf16_plan.eager_peak_bytes
     assert len(opt._planned) == 2
+
+
+class SharedLayer(torch.nn.Module):
+    """ALBERT's way: one layer applied at every depth, so each weight is cast once per use under autocast."""
+
+    def __init__(self, depth=4):
+        super().__init__()
+        self.layer = block()
+        self.depth = depth
+
+    def forward(self, x):
+        for _ in range(self.depth):
+            x = x + self.layer(x)
+        return x
+
+
+@pytest.mark.parametrize("cached", [False, True], ids=["recomputed", "cached"])
+def test_a_weight_shared_across_regions_trains_exactly_under_autocast(cached):
+    """Autocast caches a weight's bf16 copy until its block ends: the forward cast the shared layer's weights once
+    (in stage 0, stored), a region's recomputation then cast them again, so a region caching its linears replayed a
+    bias where a weight was due ("shape '[32]' is invalid for input of size 4096"), and a region's forward kept the
+    casts it does not save. A planned module casts without that cache (rewrite._casts_uncached_before), as it is
+    profiled, so the prediction is the measured peak; it trains as eager does without the cache. (Each use's
+    gradient is then cast to fp32 before they are summed: the shared weights' gradients differ from eager's with the
+    cache, which sums them in bf16, by bf16 rounding. A weight read once is cast once either way.)"""
+    from planner.api import capture_for, planned_module, pose
+    from planner.plan import Plan, SolverStatus
+    from planner.problem import Region, Schedule
+
+    torch.manual_seed(0)
+    model = SharedLayer()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        captured = capture_for(model, (X,), None, None)
+        posed = pose(captured, loss_fn=lambda out: out.float().pow(2).mean(), hold_outputs=False,
+                     profile_repeats=0)
+    problem = posed.problem
+    options = tuple(len(problem.stages[k].recompute_options) - 1 if cached else 0 for k in (1, 2))
+    plan = Plan.from_schedule(problem, Schedule((Region(1, 3, options),)), solver="test",
+                              status=SolverStatus.HEURISTIC)
+    assert bool(plan.regions[0].cached_nodes) == cached
+    planned = training_step(planned_module(captured, plan, posed.stage_nodes), _bf16_step, (X,),
+                            owner=captured.graph_module)
+    assert planned.peak_bytes == plan.predicted_peak_bytes
+    with casts_uncached():  # eager, each use casting the weights anew: the same sums in the same order
+        uncached = training_step(model, _bf16_step, (X,))
+    assert_same_training(uncached, planned, atol=0)
+    # eager with the cache sums the four uses' gradients in bf16, in the one cast they share, then casts to fp32
+    eager = training_step(model, _bf16_step, (X,))
+    assert_same_training(eager, planned, atol=2e-2)
 
 
 # --- torch.compile -----------------------------------------------------------------------------------------------

@@ -3,7 +3,8 @@
 import pytest
 
 from planner.problem import (Phase, Problem, RecomputeOption, Region, Schedule, Stage, TensorInfo, liveness,
-                             simulate)
+                             simulate, without_empty_regions)
+from planner.solvers import solve
 from tests.solver_problems import bn_relu_conv
 
 
@@ -180,3 +181,28 @@ def test_a_cached_output_is_held_by_the_caller_and_counted_once():
     recompute = next(e for e in simulate(problem, Schedule((Region(0, 1, (1,)),))).events
                      if e.phase is Phase.RECOMPUTE)
     assert recompute.activation_bytes == 64
+
+
+def _with_a_residual_stage() -> Problem:
+    """Two MLP stages, each saving 400 bytes, with a residual add between them that saves nothing."""
+    stages = (Stage("mlp0", 1.0, 2.0), Stage("add", 0.1, 0.1, saves_nothing=True), Stage("mlp1", 1.0, 2.0))
+    tensors = (TensorInfo("a0", 400, 0, savers=frozenset({0})), TensorInfo("h0", 100, 0, frozenset({1})),
+               TensorInfo("h1", 100, 1, frozenset({2})), TensorInfo("a1", 400, 2, savers=frozenset({2})))
+    return Problem(stages, tensors, fixed_bytes=1000)
+
+
+def test_a_region_of_stages_that_save_nothing_is_dropped_and_no_plan_keeps_one():
+    problem = _with_a_residual_stage()
+    uniform = Schedule.uniform(3)
+    kept = without_empty_regions(problem, uniform)
+    assert [(r.start, r.stop) for r in kept.regions] == [(0, 1), (2, 3)]
+    assert without_empty_regions(problem, kept) is kept
+    assert without_empty_regions(problem, Schedule((Region(0, 2),))).regions == (Region(0, 2),)  # mlp0 saves
+    before, after = simulate(problem, uniform), simulate(problem, kept)
+    assert after.peak_bytes <= before.peak_bytes and after.recompute_seconds <= before.recompute_seconds
+    for method in ("auto", "ilp", "dp", "uniform", "chen_sqrt"):
+        plan = solve(problem, before.peak_bytes, method=method)
+        assert all(not all(problem.stages[k].saves_nothing for k in range(r.start, r.stop)) for r in plan.regions)
+        assert plan.predicted_peak_bytes == simulate(problem, plan.schedule).peak_bytes
+    uniform_plan = solve(problem, before.peak_bytes, method="uniform")
+    assert [(r.start, r.stop) for r in uniform_plan.regions] == [(0, 1), (2, 3)]
