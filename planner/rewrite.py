@@ -456,6 +456,7 @@ def _casts_uncached_before(module: torch.nn.Module, args: tuple) -> None:
 
 
 def _casts_uncached_after(module: torch.nn.Module, args: tuple, output: Any) -> None:
-    if not torch.compiler.is_compiling():
-        torch.set_autocast_cache_enabled(_STATE.cast_cache.pop())
-
+    """Restores what :func:`_casts_uncached_before` found; it runs even when the forward raised (``always_call``)."""
+    saved = _STATE.__dict__.get("cast_cache")
+    if not torch.compiler.is_compiling() and saved:
+        torch.set_autocast_cache_enabled(saved.pop())

@@ -315,3 +315,30 @@ def test_an_early_stopped_recomputation_does_not_pass_through_the_bodys_module_c
     result = training_step(planned, _loss(x), (x,), owner=model)
     assert walked == []
     assert_same_training(eager, result, atol=0)
+
+
+def test_the_planned_forward_casts_without_autocasts_cache_and_restores_it_even_when_it_raises(convnet, monkeypatch):
+    model, x, *_ = convnet
+    planned = _planned(convnet, Schedule.uniform(4))
+    seen = []
+    monkeypatch.setattr(planned, "region_0", _Spy(planned.region_0, seen))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        planned(x).float().square().mean().backward()
+        assert seen == [False] and torch.is_autocast_cache_enabled()
+        with pytest.raises(AssertionError, match="Guard failed"):
+            planned(x[:, :3])  # the captured graph's guards want 8 channels
+        assert torch.is_autocast_cache_enabled()
+    for p in model.parameters():
+        p.grad = None
+
+
+class _Spy(torch.nn.Module):
+    """A region that records whether autocast's cache was on when it ran."""
+
+    def __init__(self, region: torch.nn.Module, seen: list):
+        super().__init__()
+        self.region, self.seen = region, seen
+
+    def forward(self, *args):
+        self.seen.append(torch.is_autocast_cache_enabled())
+        return self.region(*args)
