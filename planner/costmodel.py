@@ -803,7 +803,10 @@ def calibrate(problem: Problem, measured: StageMeasurement) -> Problem:
     """Set workspaces and backward times so that the model reproduces the measured eager step stage by stage. A
     stage's recompute workspace is its forward workspace and what the eager step frees inside it that a region
     may hold through its re-run adds to it (``Stage.held_input_bytes``, :func:`held_input_excess`; where unknown,
-    all of it: :func:`_released_in_reader`)."""
+    all of it: :func:`_released_in_reader`). What a stage's backward makes before it first reads a saved tensor
+    (``StageMeasurement.before_first_unpack``) is alive while a region ending there is recomputed: it joins the
+    gradients sent back past the stage (``Stage.output_grad_bytes``), as do the loss and the gradient the backward
+    starts from (``StageMeasurement.loss_bytes``), which the measured backward workspaces hold already."""
     events = simulate(problem, Schedule.store_all(problem.num_stages)).events
     forward = {e.stage: e for e in events if e.phase is Phase.FORWARD}
     backward = {e.stage: e for e in events if e.phase is Phase.BACKWARD}
@@ -811,6 +814,7 @@ def calibrate(problem: Problem, measured: StageMeasurement) -> Problem:
     released = _released_in_reader(problem)  # where the profile does not say what holding them adds
     held = [released[k] if stage.held_input_bytes is None else stage.held_input_bytes
             for k, stage in enumerate(problem.stages)]
+    before_rerun = measured.before_first_unpack or [0] * problem.num_stages
     stages = []
     for k, stage in enumerate(problem.stages):
         fwd_ws = max(0, measured.forward_peak[k] - forward[k].activation_bytes)
@@ -820,6 +824,8 @@ def calibrate(problem: Problem, measured: StageMeasurement) -> Problem:
         stages.append(dataclasses.replace(stage, forward_workspace_bytes=fwd_ws, backward_workspace_bytes=bwd_ws,
                                           backward_start_workspace_bytes=start_ws,
                                           recompute_workspace_bytes=fwd_ws + held[k],
+                                          output_grad_bytes=stage.output_grad_bytes + before_rerun[k]
+                                          + measured.loss_bytes,
                                           backward_seconds=measured.backward_seconds[k]))
     return dataclasses.replace(problem, stages=tuple(stages))
 

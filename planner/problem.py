@@ -95,7 +95,9 @@ class Stage:
     stops after its last saving op (see :meth:`stopped_rerun`); None: what it saves itself plus its workspace.
     ``grad_bytes`` counts parameter gradients first produced during this stage's backward;
     ``output_grad_bytes`` the activation gradients that later stages have sent back to this stage or earlier ones
-    when its backward starts (alive while it is recomputed): on a chain, those of its outputs.
+    when its backward starts (alive while it is recomputed): on a chain, those of its outputs; and, measured, what
+    its own backward makes before it first reads a saved tensor, where a region ending here begins its re-run (under
+    autocast, a residual add's backward casts the gradient for its bf16 branch).
     ``early_stop_seconds``: what the re-run of this stage skips as the last stage of a region that caches nothing
     (see :meth:`stopped_seconds`): the forward time of the ops after its last saving op, and of that op itself
     when it saves only its inputs (autograd saves them before the op runs).

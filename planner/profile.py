@@ -150,7 +150,22 @@ class _StorageTracker(TorchDispatchMode):
         return out
 
 
-class ProfilingInterpreter(fx.Interpreter):
+class FreeingInterpreter(fx.Interpreter):
+    """An ``fx.Interpreter`` that frees a node's value right after it runs when no node reads it, as the code a
+    ``GraphModule`` generates does (``Interpreter`` keeps such values until the run ends). Unread nodes are
+    common in exported graphs: Hugging Face's BART builds a view of its scaled embeddings and mask ranges nothing
+    reads; kept, they held 33 KB through a measured step that the planned module does not hold, which the
+    calibration took for stage workspace (a plan checkpointing BART's encoder was predicted 2-3% over)."""
+
+    def __init__(self, gm: fx.GraphModule, *args: Any, **kwargs: Any):
+        super().__init__(gm, *args, **kwargs)
+        if self.garbage_collect_values:
+            for node in self.graph.nodes:
+                if not node.users and node.op not in ("placeholder", "output"):
+                    self.user_to_last_uses.setdefault(node, []).append(node)
+
+
+class ProfilingInterpreter(FreeingInterpreter):
     """Runs the graph once, recording per node allocations, reads, saved tensors and FLOPs into ``node.meta``."""
 
     def __init__(self, gm: fx.GraphModule, param_storages: dict[int, str], kernels: Kernels | None = None):
@@ -209,7 +224,7 @@ class ProfilingInterpreter(fx.Interpreter):
         return out
 
 
-class _TimingInterpreter(fx.Interpreter):
+class _TimingInterpreter(FreeingInterpreter):
     def __init__(self, gm: fx.GraphModule, stopwatch: Stopwatch, kernels: Kernels | None = None):
         super().__init__(gm)
         self.stopwatch = stopwatch
@@ -354,17 +369,43 @@ class StageMeasurement:
     total_peak: int = 0
     device_peak_bytes: int | None = None  # torch.cuda.max_memory_allocated over the metered step (CUDA only)
     device_reserved_bytes: int | None = None  # torch.cuda.memory_reserved after it: what the allocator holds
+    # per stage: what its backward has made, and holds, when it first reads a tensor the stage saved (where a region
+    # ending at the stage begins its recomputation); 0 where not seen. Under autocast a residual add's backward
+    # casts the gradient for its bf16 branch before any saved tensor is read: 16 KB at test size
+    before_first_unpack: list[int] | None = None
+    # the loss and the gradient the backward starts from, held through the whole backward (outside every stage)
+    loss_bytes: int = 0
 
 
-class _MarkingInterpreter(fx.Interpreter):
+class _MarkingInterpreter(FreeingInterpreter):
     def __init__(self, gm: fx.GraphModule, stage_of: dict[str, int], on_forward: Callable[[int], None],
-                 on_backward_done: Callable[[int], None], kernels: Kernels | None = None):
+                 on_backward_done: Callable[[int], None], kernels: Kernels | None = None,
+                 on_first_unpack: Callable[[int], None] | None = None):
         super().__init__(gm)
         self.kernels = kernels or {}
         self.stage_of = stage_of
         self.on_forward = on_forward
         self.on_backward_done = on_backward_done
+        self.on_first_unpack = on_first_unpack
         self.current = -1
+
+    def run(self, *args: Any) -> Any:
+        if self.on_first_unpack is None:
+            return super().run(*args)
+        unpacked: set[int] = set()
+
+        def pack(t: torch.Tensor) -> tuple[int, torch.Tensor]:
+            return self.current, t.detach()  # detached: an op saving its own output must not hold it in a cycle
+
+        def unpack(saved: tuple[int, torch.Tensor]) -> torch.Tensor:
+            stage, t = saved
+            if stage not in unpacked:
+                unpacked.add(stage)
+                self.on_first_unpack(stage)
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            return super().run(*args)
 
     def run_node(self, n: fx.Node) -> Any:
         stage = self.stage_of.get(n.name)
@@ -422,19 +463,27 @@ def measure_stages(captured: CapturedGraph, stage_of: dict[str, int], num_stages
     flat = flat_call_args(captured, captured.example_args, captured.example_kwargs)
     loss_of = loss_fn or default_loss
 
-    def one_step(on_forward, on_backward_start, on_backward_done):
+    def one_step(on_forward, on_backward_start, on_backward_done, on_first_unpack=None):
         with casts_uncached():  # as the planned module runs
-            interp = _MarkingInterpreter(gm, stage_of, on_forward, on_backward_done, kernels)
+            interp = _MarkingInterpreter(gm, stage_of, on_forward, on_backward_done, kernels, on_first_unpack)
             outputs = interp.run(*flat)
         loss = loss_of(outputs)
+        held_outputs = {id(t.untyped_storage()) for t in tree_leaves(outputs) if isinstance(t, torch.Tensor)} \
+            if hold_outputs else set()
         if not hold_outputs:
             del outputs
             interp.env.clear()
+        # the loss and the gradient the backward starts from (what ``loss.backward()`` makes, made here before the
+        # backward's mark so that no stage counts it) are alive through the backward; a loss that is an output the
+        # caller holds is counted as one already
+        seed = torch.ones_like(loss)
         with outside_autocast():
             on_backward_start()
-            loss.backward()
+            loss.backward(seed)
         for p in gm.parameters():
             p.grad = None
+        held = storage_bytes([seed]) + (0 if id(loss.untyped_storage()) in held_outputs else storage_bytes([loss]))
+        return held
 
     on_cuda = any(t.is_cuda for t in list(gm.parameters()) + [x for x in flat if isinstance(x, torch.Tensor)])
     with preserved_training_state(gm):
@@ -447,8 +496,18 @@ def _measure(one_step, num_stages: int, repeats: int, stopwatch: Stopwatch,
     if on_cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
+    before_first_unpack = [0] * num_stages
+
+    def first_unpack(k: int) -> None:
+        """Stage ``k``'s backward reads its first saved tensor: what it made since it began (the last mark was
+        ``b`` for the last stage, else the end of stage ``k + 1``'s; another mark means stages overlap: unknown)."""
+        segment = meter.segments[-1] if meter.segments else None
+        if segment is not None and segment.label == ("b" if k == num_stages - 1 else f"d{k + 1}"):
+            before_first_unpack[k] = max(0, meter.live_bytes - segment.start_bytes)
+
     with meter:
-        one_step(lambda k: meter.mark(f"f{k}"), lambda: meter.mark("b"), lambda k: meter.mark(f"d{k}"))
+        loss_bytes = one_step(lambda k: meter.mark(f"f{k}"), lambda: meter.mark("b"), lambda k: meter.mark(f"d{k}"),
+                              first_unpack)
     device_peak = device_reserved = None
     if on_cuda:
         torch.cuda.synchronize()
@@ -489,7 +548,8 @@ def _measure(one_step, num_stages: int, repeats: int, stopwatch: Stopwatch,
     backward_seconds = [stopwatch.combine(t) for t in times]
     return StageMeasurement(forward_peak, backward_peak, backward_seconds, stopwatch.combine(steps),
                             total_peak=meter.peak_bytes, device_peak_bytes=device_peak,
-                            device_reserved_bytes=device_reserved)
+                            device_reserved_bytes=device_reserved, before_first_unpack=before_first_unpack,
+                            loss_bytes=loss_bytes or 0)
 
 
 def paired_step_seconds(steps: dict[str, Callable[[], None]], repeats: int, baseline: str, *,

@@ -35,7 +35,7 @@ from .capture import CapturedGraph, casts_uncached, flat_call_args, outside_auto
 from .errors import PlannerError
 from .meter import LiveMemoryMeter, storage_bytes
 from .problem import Phase, Problem, Schedule, simulate
-from .profile import BackwardMarker, default_loss, fixed_tensors, preserved_training_state
+from .profile import BackwardMarker, FreeingInterpreter, default_loss, fixed_tensors, preserved_training_state
 
 __all__ = ["Slot", "TimelinePoint", "StepTimeline", "step_slots", "predicted_timeline", "measure_timeline",
            "step_timelines"]
@@ -162,7 +162,7 @@ class _Recorder:
         self.mark(Phase.BACKWARD, last_stage)
 
 
-class _StageInterpreter(fx.Interpreter):
+class _StageInterpreter(FreeingInterpreter):
     """Runs a graph, telling the recorder when a stage starts and wrapping the tensors a stage reads from earlier
     stages in a marker whose backward says that stage's backward is done."""
 

@@ -4,7 +4,7 @@ import torch
 import planner.timing
 from planner.capture import capture
 from planner.dropout import draw_buffer_bytes
-from planner.meter import storage_bytes
+from planner.meter import LiveMemoryMeter, storage_bytes
 from planner.profile import default_loss, measure_stages, paired_step_seconds, profile_graph
 from tests.helpers import training_step
 
@@ -186,3 +186,64 @@ def test_nodes_record_what_they_write_in_place_and_their_busiest_moment():
     dropped = profile.node("scaled_dot_product_attention_dropped")  # its output and the mask as floats
     assert dropped.busiest_bytes == 2 * dropped.created_bytes == 2 * 4 * 2 * 4 * 8 * 8
     assert linear.busiest_bytes == linear.created_bytes  # a plain op: its output is its busiest moment
+
+
+class _UnreadView(torch.nn.Module):
+    """Makes a view nothing reads (as BART's embeddings do): its base must not outlive its last real reader."""
+
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = torch.nn.Linear(16, 64), torch.nn.Linear(64, 16)
+
+    def forward(self, x):
+        h = self.first(x)
+        h[:, 0]  # noqa: B018  (read by nothing: export keeps the select)
+        return self.second(h.relu())
+
+
+def test_measured_steps_free_a_value_nothing_reads_as_the_module_does():
+    """``fx.Interpreter`` keeps the value of a node nothing reads until its run ends; the code a ``GraphModule``
+    generates frees it at once. Kept, the unread view held ``h`` (and, on BART, 33 KB) through a measured step that
+    the module itself does not hold, and calibration took it for workspace."""
+    model = _UnreadView()
+    x = torch.randn(256, 16)
+    captured = capture(model, (x,))
+    assert any(not n.users for n in captured.compute_nodes())
+    stage_of = {n.name: 0 for n in captured.compute_nodes()}
+    loss_fn = lambda out: out.pow(2).mean()  # noqa: E731
+    measured = measure_stages(captured, stage_of, 1, loss_fn=loss_fn, repeats=1, hold_outputs=False)
+    with LiveMemoryMeter() as meter:
+        captured.graph_module(x)
+    assert measured.forward_peak == [meter.peak_bytes] == [2 * 256 * 64 * 4]  # h and its relu; kept, h outlived relu
+
+
+def test_what_a_backward_makes_before_it_reads_a_saved_tensor_is_measured():
+    """Under autocast the residual add ending each stage casts the incoming gradient for its bf16 branch before
+    the stage's first saved tensor is read: a region ending there is recomputed with that copy alive."""
+    torch.manual_seed(0)
+    blocks = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.GELU(),
+                                                     torch.nn.Linear(64, 16)) for _ in range(2))
+
+    class Residual(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = blocks
+
+        def forward(self, x):
+            for block in self.blocks:
+                x = x + block(x)
+            return x
+
+    x = torch.randn(256, 16)
+    loss_fn = lambda out: out.float().pow(2).mean()  # noqa: E731
+    # stage 1's add sends its fp32 gradient on to stage 0 and a bf16 copy into its block; stage 0's add has no
+    # residual gradient to send (the input needs none), so the copy replaces the gradient there
+    for dtype, expected in ((None, [0, 0]), (torch.bfloat16, [0, 256 * 16 * 2])):
+        with torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
+            captured = capture(Residual(), (x,))
+            nodes = list(captured.compute_nodes())
+            first_add = next(i for i, n in enumerate(nodes) if n.target is torch.ops.aten.add.Tensor)
+            stage_of = {n.name: int(i > first_add) for i, n in enumerate(nodes)}  # a block and its residual add
+            measured = measure_stages(captured, stage_of, 2, loss_fn=loss_fn, repeats=0, hold_outputs=False)
+        assert measured.before_first_unpack == expected, (dtype, measured.before_first_unpack)
+        assert measured.loss_bytes == 2 * 4  # the fp32 loss and the gradient the backward starts from
