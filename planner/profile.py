@@ -482,8 +482,7 @@ def measure_stages(captured: CapturedGraph, stage_of: dict[str, int], num_stages
             loss.backward(seed)
         for p in gm.parameters():
             p.grad = None
-        held = storage_bytes([seed]) + (0 if id(loss.untyped_storage()) in held_outputs else storage_bytes([loss]))
-        return held
+        return storage_bytes([seed]) + (0 if id(loss.untyped_storage()) in held_outputs else storage_bytes([loss]))
 
     on_cuda = any(t.is_cuda for t in list(gm.parameters()) + [x for x in flat if isinstance(x, torch.Tensor)])
     with preserved_training_state(gm):
@@ -549,7 +548,7 @@ def _measure(one_step, num_stages: int, repeats: int, stopwatch: Stopwatch,
     return StageMeasurement(forward_peak, backward_peak, backward_seconds, stopwatch.combine(steps),
                             total_peak=meter.peak_bytes, device_peak_bytes=device_peak,
                             device_reserved_bytes=device_reserved, before_first_unpack=before_first_unpack,
-                            loss_bytes=loss_bytes or 0)
+                            loss_bytes=loss_bytes)
 
 
 def paired_step_seconds(steps: dict[str, Callable[[], None]], repeats: int, baseline: str, *,

@@ -38,7 +38,7 @@ import torch.fx.traceback as fx_traceback
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from .capture import aliases_input, returns_alias, written_arguments
+from .capture import aliases_input, casts_uncached, returns_alias, written_arguments
 from .dropout import MASK_OP, STATE_OP, advance_to, is_mask, write_state_after_draw
 from .errors import PlannerError
 from .plan import Plan, PlannedRegion
@@ -446,17 +446,17 @@ def apply_plan(graph_module: fx.GraphModule, plan: Plan) -> fx.GraphModule:
 
 
 def _casts_uncached_before(module: torch.nn.Module, args: tuple) -> None:
-    """A planned module's forward runs with autocast's cache of weight casts off (see
-    :func:`planner.capture.casts_uncached`): a checkpoint region then casts in its forward and its recomputation
-    alike, and a cast lives as long as what reads or saves it, as the execution model says. Compiled code casts
-    without the cache anyway."""
+    """A planned module's forward runs inside :func:`planner.capture.casts_uncached` (autocast's cache of weight
+    casts off): a checkpoint region then casts in its forward and its recomputation alike, and a cast lives as long
+    as what reads or saves it, as the execution model says. Compiled code casts without the cache anyway."""
     if not torch.compiler.is_compiling():
-        _STATE.__dict__.setdefault("cast_cache", []).append(torch.is_autocast_cache_enabled())
-        torch.set_autocast_cache_enabled(False)
+        entered = casts_uncached()
+        entered.__enter__()
+        _STATE.__dict__.setdefault("uncached", []).append(entered)
 
 
 def _casts_uncached_after(module: torch.nn.Module, args: tuple, output: Any) -> None:
-    """Restores what :func:`_casts_uncached_before` found; it runs even when the forward raised (``always_call``)."""
-    saved = _STATE.__dict__.get("cast_cache")
-    if not torch.compiler.is_compiling() and saved:
-        torch.set_autocast_cache_enabled(saved.pop())
+    """Leaves what :func:`_casts_uncached_before` entered; it runs even when the forward raised (``always_call``)."""
+    entered = _STATE.__dict__.get("uncached")
+    if not torch.compiler.is_compiling() and entered:
+        entered.pop().__exit__(None, None, None)
