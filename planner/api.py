@@ -242,7 +242,8 @@ def _calibrate_checkpoint_overheads(captured: CapturedGraph, problem: Problem, s
     (``Problem.per_step_seconds``, ``Problem.region_seconds``: :func:`_fixed_costs`), a rate per saved tensor
     charged to every option of every stage, and a cost per caching region (``Problem.caching_region_seconds``) and
     per cached node (:func:`_caching_costs`). A measured shortfall shrinks the costs only as far as the measurement
-    clearly shows (:func:`_correction`, :func:`_cached_node_charges`).
+    clearly shows (:func:`_correction`, :func:`_cached_node_charges`), and an excess counts only as far as its noise
+    lets it (:func:`_evident_share`).
 
     Plain checkpointing is timed against eager on its own, as a training loop runs it: interleaved with the
     caching options (the cache's allocations), Llama's checkpoint overhead measured 52% on the CPU, against 61-64%
@@ -502,7 +503,7 @@ def _fixed_costs(measured: Sequence[Estimate], schedules: Sequence[Schedule], pr
     if per_step + per_region * columns[0, 1] > first:  # the first schedule's total stays what it measured
         shrink = first / (per_step + per_region * columns[0, 1])
         per_step, per_region = per_step * shrink, per_region * shrink
-    return round(per_step * evident, 12), round(per_region * evident, 12)  # (least squares leave the last bits to chance)
+    return round(per_step * evident, 12), round(per_region * evident, 12)  # (least squares leave bits to chance)
 
 
 def _evident_share(excess: float, standard_error: float) -> float:
@@ -516,7 +517,7 @@ def _evident_share(excess: float, standard_error: float) -> float:
     checkpoints everything at 40-58% overhead (measured: 41%). At test size, where an excess stands ten standard
     errors clear, this keeps 96-99% of it.
 
-    >>> _evident_share(10.0, 0.5), _evident_share(105.0, 45.0) , _evident_share(44.0, 54.0)
+    >>> _evident_share(10.0, 0.5), _evident_share(105.0, 45.0), _evident_share(44.0, 54.0)
     (0.99, 0.265306122449, 0.0)
     """
     if excess <= 0:
@@ -547,7 +548,7 @@ def _correction(measured: Estimate, predicted: Sequence[float], counts: Sequence
     """Per stage, what to add to the ``predicted`` seconds so that they become costs of at least zero whose sum over
     the ``timed`` stages (default: all) is what ``measured`` shows: an excess (its median above their sum) is the
     machinery's, a rate per count that every stage pays for its ``counts`` (saved tensors for the hooks, nodes for
-    a dispatch mode); a shortfall means the nodes' own times over-count, and shrinks every stage in the same
+    a dispatch mode), in the share its noise lets through (:func:`_evident_share`); a shortfall means the nodes' own times over-count, and shrinks every stage in the same
     proportion, but only as far as the measurement clearly shows: to its median plus two standard errors. At the
     demo size, GPT-2's caching steps were timed at 47 +/- 48 ms over eager against 47 ms predicted; taken at its
     median, one such measurement below zero priced every caching option at 0 ms, where the one caching the masks
