@@ -209,19 +209,21 @@ def test_an_excess_within_its_noise_charges_nothing(monkeypatch, standard_error,
 
 @pytest.mark.parametrize("excess", [0.05, 0.2, 0.5, 0.95])
 def test_calibration_times_plain_checkpointing_apart_from_the_caching_options(monkeypatch, excess):
-    """Eager against plain checkpointing of every other stage, of pairs of stages and of one stage alone in rounds
-    of their own (as a training loop runs it), then eager against every other caching stage's options that cache
-    the most and the fewest nodes; those excesses are scaled to the first eager median (timings scripted). The
-    measured totals hold for the stages timed (each region stopping early), each region's own cost and the cost per
-    step included, whether they fall short of the profile's forward times (5%) or exceed them (95%), and the stages
-    between pay at the same rate. Where the caches cost more than their nodes' times and both schedules measured
-    the same, the cost splits between each caching region and each cached node, and both totals hold."""
+    """Eager against plain checkpointing of every other stage, of the middle half of the stages in one region and of
+    one stage alone in rounds of their own (as a training loop runs it), then eager against one long region of the
+    caching stages with the options that cache the most and with those that cache the fewest nodes, and against
+    every other caching stage in a region of its own; those excesses are scaled to the first eager median (timings
+    scripted). The measured totals hold for the stages timed (each region stopping early), each region's own cost
+    and the cost per step included, whether they fall short of the profile's forward times (5%) or exceed them
+    (95%), and the stages between pay at the same rate. The options that cache the most recompute nothing here, so
+    the caching schedules cost more than their nodes' times: the costs per caching region, stage and node, none
+    below zero, keep the first schedule's total and fit the other two within a quarter."""
     import planner.api as api
     from planner.capture import capture
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(),
-                                                      torch.nn.Linear(64, 16), torch.nn.Tanh()) for _ in range(3)])
+                                                      torch.nn.Linear(64, 16), torch.nn.Tanh()) for _ in range(6)])
     captured = capture(model, (torch.randn(8, 16),))
     groups, splits = [], []
     split = api._caching_costs
@@ -234,7 +236,8 @@ def test_calibration_times_plain_checkpointing_apart_from_the_caching_options(mo
 
     monkeypatch.setattr(api, "paired_step_seconds", scripted)
     problem = api.pose(captured, profile_repeats=1).problem
-    assert groups == [["eager", "checkpoint", "pairs", "single"], ["eager", "caching", "caching_least"]]
+    assert groups == [["eager", "checkpoint", "long", "single"],
+                      ["eager", "caching", "caching_least", "caching_apart"]]
     step = sum(s.forward_seconds + s.backward_seconds for s in problem.stages)
     assert step == pytest.approx(1.0)  # scaled to the first eager median
     timed = api._apart(range(problem.num_stages))
@@ -250,13 +253,17 @@ def test_calibration_times_plain_checkpointing_apart_from_the_caching_options(mo
         charged, weight = plain, forward
     assert all(c * weight[0] == pytest.approx(charged[0] * w) for c, w in zip(charged, weight))
     caching_stages = [k for k, s in enumerate(problem.stages) if len(s.recompute_options) > 1]
-    caching = {k: problem.stages[k].recompute_options[api._most_cached(problem.stages[k])] for k in caching_stages}
-    assert caching and all(o.cached_nodes for o in caching.values())
-    timed_caching = api._apart(caching_stages)
-    for option_of in (api._most_cached, api._least_cached)[:1 + bool(splits and all(splits[0]))]:
-        schedule = Schedule(tuple(Region(k, k + 1, (option_of(problem.stages[k]),)) for k in timed_caching))
-        assert simulate(problem, schedule).recompute_seconds == pytest.approx(excess)  # of the first eager step
-    assert (excess < 0.5 or all(splits[0])) and problem.caching_region_seconds == (splits[0][0] if splits else 0)
+    most = {k: api._most_cached(problem.stages[k]) for k in caching_stages}
+    least = {k: api._least_cached(problem.stages[k]) for k in caching_stages}
+    assert caching_stages and all(problem.stages[k].recompute_options[i].cached_nodes for k, i in most.items())
+    span = api._long_region(caching_stages[0], caching_stages[-1] + 1)
+    caching_schedules = [Schedule((Region(span.start, span.stop, tuple(o.get(k, 0) for k in span.stages)),))
+                         for o in (most, least)]
+    caching_schedules.append(Schedule(tuple(Region(k, k + 1, (least[k],)) for k in api._apart(caching_stages))))
+    first, *others = [simulate(problem, schedule).recompute_seconds for schedule in caching_schedules]
+    assert first == pytest.approx(excess)  # of the first eager step
+    assert splits and min(splits[0]) >= 0 and problem.caching_region_seconds == splits[0][0]
+    assert all(abs(total - excess) < excess / 4 for total in others)  # the least-squares fit of the rest
 
 
 def test_a_noisy_shortfall_does_not_make_recomputation_free(monkeypatch):
@@ -280,10 +287,10 @@ def test_a_noisy_shortfall_does_not_make_recomputation_free(monkeypatch):
 
     def pose_with(checkpoint: Estimate, caching: Estimate):
         def scripted(steps, *args, **kwargs):
-            return {"eager": Estimate(1.0, 0.01), **({"checkpoint": checkpoint, "pairs": checkpoint,
+            return {"eager": Estimate(1.0, 0.01), **({"checkpoint": checkpoint, "long": checkpoint,
                                                        "single": checkpoint}
                                                       if "checkpoint" in steps
-                                                      else {"caching": caching, "caching_least": caching})}
+                                                      else {name: caching for name in steps if name != "eager"})}
         monkeypatch.setattr(api, "paired_step_seconds", scripted)
         shares.clear()
         return api.pose(captured, profile_repeats=1).problem
