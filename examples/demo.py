@@ -2,7 +2,7 @@
 
 Run from the repository root::
 
-    python -m examples.demo            # GPT-2 "demo" size (about a minute on 2 CPU cores)
+    python -m examples.demo            # GPT-2 "demo" size (about 8 minutes on 2 CPU cores, 3 of them planning)
     python -m examples.demo --size test --steps 2
 
 It prints, for eager training, Hugging Face's ``gradient_checkpointing_enable`` (every layer checkpointed) and
