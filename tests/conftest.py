@@ -20,7 +20,7 @@ def _short_calibration():
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(planner.api, "CALIBRATION_ROUNDS", 8)
         patch.setattr(planner.api, "CALIBRATION_SECONDS", 10.0)
-        patch.setattr(planner.api, "CALIBRATION_MIN_ROUNDS", 3)  # eight at least made the suite 7 -> 15 min on CI
+        patch.setattr(planner.api, "CALIBRATION_MIN_ROUNDS", 3)
         yield
 
 

@@ -254,11 +254,9 @@ def test_calibration_times_plain_checkpointing_apart_from_the_caching_options(mo
     model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(),
                                                       torch.nn.Linear(64, 16), torch.nn.Tanh()) for _ in range(6)])
     captured = capture(model, (torch.randn(8, 16),))
-    groups, splits = [], []
+    groups, fits = [], []  # fits: each call of _caching_costs, as (its arguments, its costs)
     split = api._caching_costs
-    fitted_from = []
-    monkeypatch.setattr(api, "_caching_costs",
-                        lambda *args: fitted_from.append(args) or splits.append(split(*args)) or splits[-1])
+    monkeypatch.setattr(api, "_caching_costs", lambda *args: fits.append((args, split(*args))) or fits[-1][1])
 
     def scripted(steps, *args, **kwargs):
         groups.append(list(steps))
@@ -289,12 +287,13 @@ def test_calibration_times_plain_checkpointing_apart_from_the_caching_options(mo
     span = api._long_region(caching_stages[0], caching_stages[-1] + 1)
     first = Schedule((Region(span.start, span.stop, tuple(most.get(k, 0) for k in span.stages)),))
     assert simulate(problem, first).recompute_seconds == pytest.approx(excess)  # of the first eager step
-    assert splits and min(splits[0]) >= 0 and problem.caching_region_seconds == splits[0][0]
-    measured, predicted, shapes = fitted_from[0]
+    assert fits
+    (measured, predicted, shapes), costs = fits[0]
+    assert min(costs) >= 0 and problem.caching_region_seconds == costs[0]
     columns = np.array([[shape.regions, shape.stages, shape.nodes] for shape in shapes], dtype=float)
     beyond = np.array([m.median - p for m, p in zip(measured, predicted)])  # what each measured over its recompute
-    fitted = columns @ np.array(splits[0])
-    fit = np.array(splits[0]) * (fitted @ beyond) / (fitted @ fitted)  # the least-squares fit before its scaling
+    fitted = columns @ np.array(costs)
+    fit = np.array(costs) * (fitted @ beyond) / (fitted @ fitted)  # the least-squares fit before its scaling
     gradient = columns.T @ (columns @ fit - beyond)
     assert all(g == pytest.approx(0, abs=1e-6) if c > 0 else g > -1e-6 for g, c in zip(gradient, fit))
     assert np.sum((columns @ fit - beyond) ** 2) < np.sum(beyond ** 2) / 2  # no cost at all would be beyond off
