@@ -14,10 +14,12 @@ True
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import hashlib
 import itertools
+import os
 import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Sequence
@@ -166,6 +168,58 @@ class Posed:
     block_ranges: tuple[tuple[int, int], ...] | None = None
 
 
+REMEMBERED_POSES = 4  # how many posed problems planning keeps (:func:`remembered_pose`)
+_remembered: collections.OrderedDict[tuple, Posed] = collections.OrderedDict()
+
+
+def remembered_pose(captured: CapturedGraph, *, optimizer=None, ddp: bool = False, **options) -> Posed:
+    """:func:`pose`, remembered: planning the same graph again (another budget, another solver, the budget an
+    :class:`~planner.errors.InfeasibleBudgetError` named) reuses its profile and calibration, which take minutes
+    for a large model, and its plans are priced alike. The graph is known by its :func:`fingerprint` (nodes,
+    parameter shapes, input signature), which parameters train, the fixed training state, the options, the torch
+    threads and the calibration's settings; the last :data:`REMEMBERED_POSES` are kept. :func:`forget_poses` makes
+    the next planning measure afresh.
+
+    >>> import torch
+    >>> from planner.capture import capture
+    >>> forget_poses()
+    >>> model, x = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU()), torch.randn(4, 8)
+    >>> first = remembered_pose(capture(model, (x,)), profile_repeats=0)
+    >>> remembered_pose(capture(model, (x,)), profile_repeats=0) is first
+    True
+    >>> remembered_pose(capture(model, (x,)), profile_repeats=0, hold_outputs=False) is first
+    False
+    """
+    key = _pose_key(captured, optimizer, ddp, options)
+    if key is None:
+        return pose(captured, optimizer=optimizer, ddp=ddp, **options)
+    if key not in _remembered:
+        _remembered[key] = pose(captured, optimizer=optimizer, ddp=ddp, **options)
+        while len(_remembered) > REMEMBERED_POSES:
+            _remembered.popitem(last=False)
+    _remembered.move_to_end(key)
+    return _remembered[key]
+
+
+def forget_poses() -> None:
+    """Forget every remembered posed problem (see :func:`remembered_pose`)."""
+    _remembered.clear()
+
+
+def _pose_key(captured: CapturedGraph, optimizer, ddp: bool, options: dict) -> tuple | None:
+    """What a posed problem depends on, or ``None`` where an option cannot be told apart (an unhashable
+    ``loss_fn``)."""
+    key = (fingerprint(captured), tuple(p.requires_grad for p in captured.graph_module.parameters()),
+           training_state_bytes(captured.graph_module, optimizer, ddp), ddp, tuple(sorted(options.items())),
+           torch.get_num_threads(), CALIBRATION_TOLERANCE, CALIBRATION_ROUNDS, CALIBRATION_MIN_ROUNDS,
+           CALIBRATION_SECONDS)
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
 def pose_problem(captured: CapturedGraph, *, loss_fn: Callable | None = None, optimizer=None, ddp: bool = False,
                  max_stages: int = 64, profile_repeats: int = 3, hold_outputs: bool = True,
                  device: str | DeviceSpec | None = None,
@@ -236,7 +290,35 @@ def pose(captured: CapturedGraph, *, loss_fn: Callable | None = None, optimizer=
 CALIBRATION_TOLERANCE = 0.005
 CALIBRATION_ROUNDS = 32
 CALIBRATION_MIN_ROUNDS = 8
-CALIBRATION_SECONDS = 30.0
+CALIBRATION_SECONDS_VARIABLE = "PLANNER_CALIBRATION_SECONDS"
+
+
+def calibration_seconds(environ=os.environ) -> float:
+    """The most seconds the calibration times each group of schedules (after its first
+    ``CALIBRATION_MIN_ROUNDS`` rounds): 30, or ``$PLANNER_CALIBRATION_SECONDS`` (faster planning, costs of
+    checkpointing known less precisely; the tests' subprocesses plan with 1).
+
+    >>> calibration_seconds({}), calibration_seconds({"PLANNER_CALIBRATION_SECONDS": "2.5"})
+    (30.0, 2.5)
+    >>> calibration_seconds({"PLANNER_CALIBRATION_SECONDS": "soon"})  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    planner.errors.PlannerError: PLANNER_CALIBRATION_SECONDS='soon' is not a number of seconds. Hint: ...
+    """
+    text = environ.get(CALIBRATION_SECONDS_VARIABLE)
+    if text is None:
+        return 30.0
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = float("nan")
+    if not seconds >= 0 or seconds == float("inf"):
+        raise PlannerError(f"{CALIBRATION_SECONDS_VARIABLE}={text!r} is not a number of seconds",
+                           hint="unset it for 30 s a group, or set it to a number such as 5; 0 still times the "
+                                "first rounds")
+    return seconds
+
+
+CALIBRATION_SECONDS = calibration_seconds()
 
 
 def _calibrate_checkpoint_overheads(captured: CapturedGraph, problem: Problem, stage_nodes, loss_fn,
@@ -726,9 +808,9 @@ def _plan_captured(model, captured: CapturedGraph, budget, *, loss_fn, optimizer
     device_type = captured_device_type(captured)
     parsed = device_budget(budget, spec, device_type)
     margin = allocator_margin_for(allocator_margin, spec, device_type)
-    posed = posed or pose(captured, loss_fn=loss_fn, optimizer=optimizer, ddp=ddp, max_stages=max_stages,
-                          profile_repeats=profile_repeats, hold_outputs=hold_outputs, device=spec,
-                          granularity=granularity)
+    posed = posed or remembered_pose(captured, loss_fn=loss_fn, optimizer=optimizer, ddp=ddp, max_stages=max_stages,
+                                     profile_repeats=profile_repeats, hold_outputs=hold_outputs, device=spec,
+                                     granularity=granularity_of(granularity))
     problem = posed.problem
     eager = simulate(problem, Schedule.store_all(problem.num_stages)).peak_bytes
     budget_bytes = parsed.resolve(eager)

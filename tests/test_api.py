@@ -140,6 +140,37 @@ def test_impossible_budget_names_the_smallest_feasible_one(model):
     assert feasible.predicted_peak_bytes <= error.minimum_budget_bytes
 
 
+def test_planning_again_reuses_the_profile_until_what_it_depends_on_changes(model, monkeypatch):
+    """The budget an infeasible plan names is planned from the same profile and calibration, as are other budgets
+    and solvers; another loss, optimizer state size, frozen parameter, input shape or ``forget_poses`` poses afresh."""
+    from planner import api
+
+    posed, pose = [], api.pose
+    monkeypatch.setattr(api, "pose", lambda captured, **options: posed.append(options) or pose(captured, **options))
+    options = dict(example_inputs=(X,), loss_fn=_loss, profile_repeats=1)
+    with pytest.raises(InfeasibleBudgetError) as info:
+        planner.optimize(model, "1KB", **options)
+    smallest = planner.optimize(model, info.value.minimum_budget_bytes, **options)
+    assert smallest.plan.predicted_peak_bytes <= info.value.minimum_budget_bytes
+    loose = planner.plan(model, "90%", solver="ilp", **options)
+    assert len(posed) == 1 and loose.solver == "ilp" and loose.budget_bytes > smallest.plan.budget_bytes
+    assert training_step(smallest, lambda m: _loss(m(X)), (X,), owner=model).peak_bytes <= smallest.plan.budget_bytes
+    planner.plan(model, "90%", **{**options, "loss_fn": lambda out: out.abs().mean()})
+    assert len(posed) == 2
+    optimizer = torch.optim.Adam(model.parameters())
+    planner.plan(model, "90%", optimizer=optimizer, **options)
+    training_step(model, lambda m: _loss(m(X)), (X,))
+    optimizer.step()  # Adam's state, made in its first step, is what the first planning expected
+    planner.plan(model, "90%", optimizer=optimizer, **options)
+    assert len(posed) == 3
+    model.layers[0][0].weight.requires_grad_(False)
+    planner.plan(model, "90%", **options)
+    planner.plan(model, "90%", **{**options, "example_inputs": (X[:128],)})
+    api.forget_poses()
+    planner.plan(model, "90%", **options)
+    assert len(posed) == 6
+
+
 @pytest.mark.parametrize("kwargs, fragment", [
     (dict(budget="lots"), "not a size"),
     (dict(budget="8GB", solver="magic"), "magic"),

@@ -329,7 +329,7 @@ def test_repeated_blocks_are_found_with_the_gradients_between_them():
     assert _repeats(_tables(layered_chain(10, 3), 1 << 20, optimistic=True)) == {}
 
 
-@pytest.mark.parametrize("n,seed", [(12, 3), (16, 1)])
+@pytest.mark.parametrize("n,seed", [(12, 3), (16, 2)])
 def test_a_shared_program_bounds_exactly_as_one_program_per_start(n, seed, monkeypatch):
     problem = layered_chain(n, seed, repeated=True)
     eager = simulate(problem, Schedule()).peak_bytes
