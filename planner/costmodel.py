@@ -42,7 +42,8 @@ import torch.fx as fx
 
 from .dropout import is_mask
 from .errors import PlannerError
-from .problem import Phase, Problem, RecomputeOption, Schedule, Stage, TensorInfo, keeps, last_rerun_reader, simulate
+from .problem import (InputSaving, Phase, Problem, RecomputeOption, Schedule, Stage, TensorInfo, keeps,
+                      last_rerun_reader, simulate)
 from .profile import GraphProfile, NodeProfile, StageMeasurement
 
 CACHE_SHARES = (0.25, 0.5, 0.75, 1.0)
@@ -440,6 +441,7 @@ def build_problem(profile: GraphProfile, stages: Sequence[StageSpec], *, random_
             savers.setdefault(key, set()).add(stage_of[n.name])
     tensors = []
     released: list[dict[int, int]] = [{} for _ in stages]  # per stage: storages it reads last, nothing saves
+    made_by: dict[int, int] = {}  # storage key -> the stage that makes it
     for n in profile.nodes:
         producer = stage_of[n.name]
         for record in n.created:
@@ -449,7 +451,10 @@ def build_problem(profile: GraphProfile, stages: Sequence[StageSpec], *, random_
                 name=f"{n.name}#{record.key}", nbytes=record.nbytes, producer=producer, node=n.name,
                 seconds=n.seconds, module_path=n.module_path,
                 consumers=frozenset(readers.get(record.key, set()) - {producer}),
-                savers=frozenset(savers.get(record.key, set())), is_output=hold_outputs and record.key in profile.output_keys))
+                savers=frozenset(savers.get(record.key, set())),
+                is_output=hold_outputs and record.key in profile.output_keys,
+                returned=record.key in profile.output_keys))
+            made_by[record.key] = producer
             if (reader := last_rerun_reader(tensors[-1])) is not None:
                 released[reader][record.key] = record.nbytes
     grad_stage: dict[str, int] = {}
@@ -474,7 +479,7 @@ def build_problem(profile: GraphProfile, stages: Sequence[StageSpec], *, random_
     problem = Problem(tuple(built), tuple(tensors), profile.fixed_bytes + extra_fixed_bytes, name)
     last_use = {key: max(readers.get(key, set()) | savers.get(key, set())) for key in readers.keys() | savers.keys()}
     return _with_replayed_workspaces(problem, [[by_name[x] for x in spec.nodes] for spec in stages], released,
-                                     lambda key, k: last_use.get(key, -1) > k or key in profile.output_keys)
+                                     made_by, lambda key, k: last_use.get(key, -1) > k or key in profile.output_keys)
 
 
 def held_input_excess(nodes: Sequence[NodeProfile], inputs: dict[int, int], outlives: Callable[[int], bool]) -> int:
@@ -502,9 +507,7 @@ def held_input_excess(nodes: Sequence[NodeProfile], inputs: dict[int, int], outl
         return 0
     alive = _replayed_alive(nodes, frozenset(), outlives)
     last_reader = {key: i for i, n in enumerate(nodes) for key in n.reads if key in inputs}
-    eager = max(own + sum(size for key, size in inputs.items() if last_reader.get(key, -1) >= i)
-                for i, own in enumerate(alive))
-    return max(alive) + sum(inputs.values()) - eager
+    return _held_peak(alive, last_reader, inputs, inputs.keys()) - _held_peak(alive, last_reader, inputs, set())
 
 
 def _crossing_gradient_bytes(profile: GraphProfile, stage_of: dict[str, int], readers: dict[int, set[int]],
@@ -539,16 +542,17 @@ def _crossing_gradient_bytes(profile: GraphProfile, stage_of: dict[str, int], re
 
 
 def _with_replayed_workspaces(problem: Problem, stage_nodes: Sequence[Sequence[NodeProfile]],
-                              released: Sequence[dict[int, int]], outlives: Callable[[int, int], bool]) -> Problem:
+                              released: Sequence[dict[int, int]], made_by: dict[int, int],
+                              outlives: Callable[[int, int], bool]) -> Problem:
     """``problem`` with what replays of its stages' re-runs tell: the recompute workspace of every caching option
     (see :func:`caching_workspace`), the forward workspace of every option inside a region
     (:func:`checkpointed_forward_peak`), a re-run's working set when its region stops early after it
     (:func:`stopped_rerun_peak`), and what holding the storages each stage frees (``released[k]``, by key, with
-    their bytes) adds to it, and how much of that is not there when its region made them
-    (:func:`held_input_excess`, :func:`rerun_input_saving`). ``outlives(key, k)``: whether a storage of stage
-    ``k`` is read or saved by a later stage, or is an output. Options that cache nothing keep the calibrated
-    forward workspace: a region that caches nothing stops its re-run early, and until then repeats the eager
-    forward."""
+    their bytes; ``made_by[key]``: the stage that makes it) adds to it, and how much of that is not there when its
+    region made some of them (:func:`held_input_excess`, :func:`input_savings`). ``outlives(key, k)``: whether a
+    storage of stage ``k`` is read or saved by a later stage, or is an output. Options that cache nothing keep the
+    calibrated forward workspace: a region that caches nothing stops its re-run early, and until then repeats the
+    eager forward."""
     own: list[list[TensorInfo]] = [[] for _ in problem.stages]
     for t in problem.tensors:
         own[t.producer].append(t)
@@ -561,9 +565,10 @@ def _with_replayed_workspaces(problem: Problem, stage_nodes: Sequence[Sequence[N
             workspace_bytes=caching_workspace(nodes, own[k], o.cached_nodes, outlives_k) if o.cached_nodes else None)
             for o in stage.recompute_options)
         held = held_input_excess(nodes, released[k], outlives_k)
+        savings = input_savings(nodes, [o.cached_nodes for o in stage.recompute_options], released[k], made_by,
+                                outlives_k)
         stage = dataclasses.replace(stage, stopped_rerun_bytes=stopped_rerun_peak(nodes, outlives_k),
-                                    held_input_bytes=held,
-                                    rerun_input_saving_bytes=rerun_input_saving(nodes, released[k], outlives_k, held))
+                                    held_input_bytes=held, input_savings=savings)
         stages.append(dataclasses.replace(stage, options=options) if stage.options else stage)
     return dataclasses.replace(problem, stages=tuple(stages))
 
@@ -638,30 +643,63 @@ def _stopped_run(nodes: Sequence[NodeProfile]) -> tuple[list[NodeProfile], set[i
     return [*nodes[:stop], last], read_later
 
 
-def rerun_input_saving(nodes: Sequence[NodeProfile], inputs: dict[int, int], outlives: Callable[[int], bool],
-                       held: int) -> int:
-    """What a stage's re-run (its ``nodes``) holds less than its working set counts when its region made its
-    ``inputs`` (storages of earlier stages it reads last, which nothing saves): they die inside it, as in the
-    eager step, where the working set holds them as a region's inputs (:func:`held_input_excess`: ``held``). The
-    least of that for a re-run that runs through and one that stops early after the stage (inputs read from the
-    node it stops at on stay alive until it stops), so that neither is under-counted.
+def input_savings(nodes: Sequence[NodeProfile], options: Sequence[frozenset[str]], inputs: dict[int, int],
+                  made_by: dict[int, int], outlives: Callable[[int], bool]) -> tuple[InputSaving, ...]:
+    """What a stage's re-run (its ``nodes``) with each option (the nodes it caches) holds less than its working
+    set counts when its region made some of its ``inputs`` (storages of earlier stages it reads last, which
+    nothing saves; ``made_by[key]``: the stage that makes each): those die inside it, as in the eager step, where
+    the working set holds all of them as a region holds its inputs; the rest are the region's inputs. One
+    :class:`~planner.problem.InputSaving` for each stage that makes some, from the latest: a region starting
+    there or earlier made those and the later ones. An option that caches nothing counts the least of that for
+    a re-run that runs through and one that stops early after the stage (inputs read from the node it stops at
+    on stay alive until it stops), so that neither is under-counted; one that caches, its own replay.
+
+    T5's last decoder block frees the cross-attention bias and the position bias, made by the first decoder
+    block, and the encoder's padding mask, made by the encoder's last block: a region from the first decoder
+    block made the first two, and its re-run of the last block measured 61,440 bytes under its prediction until
+    they counted; a block caching its matmuls, 61,488 bytes.
 
     >>> from planner.profile import StorageRecord
     >>> def node(name, made, reads=(), saved=()):
     ...     records = tuple(StorageRecord(key, size, True) for key, size in made)
     ...     return NodeProfile(name, "", 1.0, 0, records, frozenset(reads), frozenset(saved), frozenset(), False,
     ...                        made_by_last_save=len(made) if saved else None)
-    >>> add_relu = [node("add", [(2, 100)], {1}), node("relu", [(3, 100)], {2}, saved={3})]
-    >>> held = held_input_excess(add_relu, {1: 100}, lambda key: key == 3)
-    >>> rerun_input_saving(add_relu, {1: 100}, lambda key: key == 3, held)   # the BatchNorm's output dies after add
-    100
+    >>> stage = [node("add", [(3, 100)], {1, 2}), node("mm", [(4, 500)], {3}, saved={3})]
+    >>> savings = input_savings(stage, [frozenset(), frozenset({"add"})], {1: 40, 2: 60}, {1: 0, 2: 1},
+    ...                         lambda key: key == 4)
+    >>> [(s.since, s.option_bytes) for s in savings]   # the mm's peak comes after the add freed both inputs
+    [(1, (60, 60)), (0, (100, 100))]
     """
+    sinces = sorted({made_by[key] for key in inputs}, reverse=True)
+    if not sinces:
+        return ()
+    last_reader = {key: i for i, n in enumerate(nodes) for key in n.reads if key in inputs}
     stopped = _stopped_run(nodes)
-    if stopped is None:
-        return held
-    run, read_later = stopped
-    early = {key: size for key, size in inputs.items() if key not in read_later}
-    return min(held, held_input_excess(run, early, lambda key: outlives(key) or key in read_later))
+    if stopped is not None:
+        run, read_later = stopped
+        stop_alive = _replayed_alive(run, frozenset(), lambda key: outlives(key) or key in read_later)
+        early = {key: size for key, size in inputs.items() if key not in read_later}
+    alives = [_replayed_alive(nodes, cached, outlives) for cached in options]
+    savings, most = [], [0] * len(options)
+    for since in sinces:
+        held = {key for key in inputs if made_by[key] < since}
+        for o, (cached, alive) in enumerate(zip(options, alives)):
+            saving = _held_peak(alive, last_reader, inputs, inputs.keys()) \
+                - _held_peak(alive, last_reader, inputs, held)
+            if not cached and stopped is not None:
+                saving = min(saving, _held_peak(stop_alive, last_reader, early, early.keys())
+                             - _held_peak(stop_alive, last_reader, early, held))
+            most[o] = max(most[o], saving)  # a region starting earlier made more: it never holds more
+        savings.append(InputSaving(since, tuple(most)))
+    return tuple(s for s in savings if any(s.option_bytes))
+
+
+def _held_peak(alive: Sequence[int], last_reader: dict[int, int], inputs: dict[int, int],
+               held: AbstractSet[int]) -> int:
+    """The most bytes alive while a stage runs node by node (``alive``: its own storages, per node), with its
+    ``inputs`` (by key, with their bytes) alive until their last reader, but ``held`` ones to its end."""
+    return max((own + sum(size for key, size in inputs.items() if key in held or last_reader.get(key, -1) >= i)
+                for i, own in enumerate(alive)), default=0)
 
 
 def checkpointed_forward_peak(nodes: Sequence[NodeProfile], cached: frozenset[str],

@@ -10,9 +10,9 @@ to the first) and tracks every tensor storage the way PyTorch frees it. It is th
 (``solvers.ilp`` states exactly these rules as linear constraints) and the predictor whose numbers every plan
 carries. The rules, for a tensor ``t`` produced by stage ``p``:
 
-* forward: alive from ``p`` until its last forward reader, and to the end of the forward if something *holds* it;
-  a tensor that nothing holds and no later stage reads lives and dies inside stage ``p``: it is part of that
-  stage's forward workspace, not counted on its own;
+* forward: alive from ``p`` until its last forward reader, and to the end of the forward if something *holds* it
+  or the model returns it; a tensor that nothing holds, the model does not return and no later stage reads lives
+  and dies inside stage ``p``: it is part of that stage's forward workspace, not counted on its own;
 * holders, each releasing ``t`` after the backward of a stage ``h``: a stored stage that saves ``t`` (``h`` = that
   stage); a region that reads ``t`` from outside (checkpoint keeps its inputs; ``h`` = the region's first stage);
   the selective-checkpoint cache of ``p``'s region (``h`` = the first stage of the region that saves ``t``; when no
@@ -32,8 +32,8 @@ carries. The rules, for a tensor ``t`` produced by stage ``p``:
   *keep* (their tensors that are saved, read by a later stage or model outputs, unless cached; one that nothing
   saves and only stages of the region read dies once the last of them has re-run: :func:`last_rerun_reader`) and
   ``j``'s own working set: what it keeps plus its *recompute workspace* with its option (which holds the inputs
-  ``j`` frees as a region holds its inputs; less ``Stage.rerun_input_saving_bytes`` where the region made them all
-  and the option caches nothing: :func:`input_saving`). A region that caches nothing stops after its last stage's
+  ``j`` frees as a region holds its inputs; less what those of them that the region made itself free again:
+  ``Stage.input_savings``, :func:`input_saving`). A region that caches nothing stops after its last stage's
   last saving op, so that stage's working set is what its re-run has made by then and still holds
   (:meth:`Stage.stopped_rerun`); a region that caches runs to its end;
 * gradients of parameters appear during the backward of the stage that uses them last and stay.
@@ -86,6 +86,25 @@ class RecomputeOption:
 
 
 @dataclass(frozen=True)
+class InputSaving:
+    """What a stage's re-run holds less, per option (``option_bytes[o]``), than its working set counts when its
+    region starts at or before stage ``since``: that region's re-run made the inputs the stage frees (tensors of
+    earlier stages that it reads last and nothing saves) from ``since`` on, and they die inside the stage as in
+    the eager step, where its working set holds them as a region holds its inputs. An option the tuple does not
+    reach saves nothing.
+
+    >>> InputSaving(since=2, option_bytes=(100, 40)).of(1), InputSaving(since=2, option_bytes=(100,)).of(1)
+    (40, 0)
+    """
+
+    since: int
+    option_bytes: tuple[int, ...]
+
+    def of(self, option: int) -> int:
+        return self.option_bytes[option] if option < len(self.option_bytes) else 0
+
+
+@dataclass(frozen=True)
 class Stage:
     """A contiguous run of graph nodes, measured.
 
@@ -104,9 +123,9 @@ class Stage:
     ``held_input_bytes``: what the stage's forward needs more when the tensors of earlier stages that it reads last
     and nothing holds (the eager step frees them inside it) stay alive throughout it, as when a checkpoint region
     holds them; ``costmodel.calibrate`` adds it to the recompute workspace. None: all of those tensors' bytes.
-    ``rerun_input_saving_bytes``: what the stage's re-run with an option that caches nothing holds less than its
-    working set says when the region's own re-run made all of those inputs: they die inside it as in the eager
-    step, so what holding them adds (``held_input_bytes``, or less where the re-run stops early) is not there.
+    ``input_savings``: what the stage's re-run holds less than its working set says where its region's own re-run
+    made some of those inputs: they die inside it as in the eager step, so what holding them adds is not all
+    there (:class:`InputSaving`, :func:`input_saving`).
     ``saves_nothing``: no op of the stage saves a tensor for the backward, not even a parameter or an input (a
     residual add, a reshape). A region of such stages only is no region: non-reentrant checkpoint keeps its inputs
     through what its ops save, so it keeps nothing and re-runs nothing, where this model would hold its inputs
@@ -126,7 +145,7 @@ class Stage:
     stopped_rerun_bytes: int | None = None
     early_stop_seconds: float = 0.0
     held_input_bytes: int | None = None
-    rerun_input_saving_bytes: int = 0
+    input_savings: tuple["InputSaving", ...] = ()
     saves_nothing: bool = False
 
     @property
@@ -222,7 +241,12 @@ class Stage:
 
 @dataclass(frozen=True)
 class TensorInfo:
-    """One storage the forward allocates: who makes it, who reads it, whose backward needs it."""
+    """One storage the forward allocates: who makes it, who reads it, whose backward needs it.
+
+    ``is_output``: a model output the caller holds through the backward. ``returned``: a model output, held or
+    not: a region that makes it returns it, so its re-run keeps it to the end (:func:`keeps`), even when the caller
+    has let it go (``optimize(..., hold_outputs=False)``).
+    """
 
     name: str
     nbytes: int
@@ -231,6 +255,7 @@ class TensorInfo:
     savers: frozenset[int] = frozenset()
     node: str = ""
     is_output: bool = False
+    returned: bool = False
     seconds: float = 0.0  # the forward time of the op that makes it (its node's own, as profiled): for explaining
     module_path: str = ""  # the module whose forward runs that op: for explaining
 
@@ -256,6 +281,9 @@ class Problem:
 
     def __post_init__(self):
         n = len(self.stages)
+        for k, stage in enumerate(self.stages):
+            if any(not 0 <= saving.since < k for saving in stage.input_savings):
+                raise ValueError(f"stage {stage.name} saves on inputs of stages outside 0..{k - 1}")
         for t in self.tensors:
             if not 0 <= t.producer < n:
                 raise ValueError(f"tensor {t.name} has producer {t.producer} outside 0..{n - 1}")
@@ -267,8 +295,11 @@ class Problem:
         return len(self.stages)
 
     def is_chain(self) -> bool:
-        """True when every tensor is read and saved only by its producer and the next stage."""
+        """True when every tensor is read and saved only by its producer and the next stage (and one the model
+        returns, alive to the end of the forward, is made by one of the last two)."""
+        n = self.num_stages
         return all(max(t.consumers | t.savers | {t.producer}) <= t.producer + 1 and not t.is_output
+                   and (not t.returned or t.producer >= n - 2)
                    or (t.is_output and not t.consumers)
                    for t in self.tensors)
 
@@ -438,7 +469,7 @@ def liveness(problem: Problem, schedule: Schedule, tensor: TensorInfo) -> _Liven
         elif inside:
             copy_range = (min(inside), region.stop - 1)
     held_from = min(holders) if holders else None
-    if held_from is not None or consumed_at is not None:
+    if held_from is not None or consumed_at is not None or tensor.returned:  # the model's return reads it last
         forward_until = problem.num_stages - 1
     elif tensor.last_forward_use > tensor.producer:
         forward_until = tensor.last_forward_use
@@ -449,23 +480,27 @@ def liveness(problem: Problem, schedule: Schedule, tensor: TensorInfo) -> _Liven
 
 def keeps(tensor: TensorInfo) -> bool:
     """Whether a re-run of ``tensor``'s stage keeps it past the stage (saved, read by a later stage, or a model
-    output), unless it is cached; otherwise it dies within the stage. Anything with a ``TensorInfo``'s
-    ``producer``, ``consumers``, ``savers`` and ``is_output`` will do (the ILP's tensor groups)."""
-    return bool(tensor.savers or tensor.consumers - {tensor.producer} or tensor.is_output)
+    output, held or only returned), unless it is cached; otherwise it dies within the stage. Anything with a
+    ``TensorInfo``'s ``producer``, ``consumers``, ``savers``, ``is_output`` and ``returned`` will do (the ILP's
+    tensor groups)."""
+    return bool(tensor.savers or tensor.consumers - {tensor.producer} or tensor.is_output or tensor.returned)
 
 
 def last_rerun_reader(tensor: TensorInfo) -> int | None:
     """The stage after whose re-run a recomputed copy of ``tensor`` dies, when that stage is in its producer's
     region: the last later stage that reads it, when nothing saves it and it is no model output (None otherwise:
-    it is kept to the end of the re-run, or beyond). Anything with a ``TensorInfo``'s ``producer``,
-    ``consumers``, ``savers`` and ``is_output`` will do (the ILP's tensor groups).
+    it is kept to the end of the re-run, or beyond; a region returns the model outputs it makes, held by the
+    caller or not). Anything with a ``TensorInfo``'s ``producer``, ``consumers``, ``savers``, ``is_output`` and
+    ``returned`` will do (the ILP's tensor groups).
 
     >>> last_rerun_reader(TensorInfo("bn", 100, producer=2, consumers=frozenset({3, 4})))
     4
     >>> last_rerun_reader(TensorInfo("x", 100, producer=2, consumers=frozenset({3}), savers=frozenset({3}))) is None
     True
+    >>> last_rerun_reader(TensorInfo("encoder_out", 100, producer=2, consumers=frozenset({3}), returned=True)) is None
+    True
     """
-    if tensor.savers or tensor.is_output or not tensor.consumers - {tensor.producer}:
+    if tensor.savers or tensor.is_output or tensor.returned or not tensor.consumers - {tensor.producer}:
         return None
     return max(tensor.consumers)
 
@@ -478,39 +513,26 @@ class _Rerun:
     consumed_inside: list[int]  # cached tensors that only the stage itself reads: consumed by its own re-run
     saved_self: list[int]  # tensors it saves itself (not cached): what it keeps when its region stops early
     freed_after: list[int]  # kept tensors of earlier stages of its region that its re-run reads last (they die)
-    first_input: list[int | None]  # the first stage making a tensor that it reads last and nothing saves
 
 
-def released_inputs_from(problem: Problem) -> list[int | None]:
-    """Per stage, the first stage that makes a tensor the stage reads last while nothing saves it (see
-    :func:`last_rerun_reader`), None when there is none: when a region's re-run made them all (the region starts
-    at or before it), they die inside the stage, and ``Stage.rerun_input_saving_bytes`` applies.
+def input_saving(problem: Problem, region: Region, j: int) -> int:
+    """What stage ``j``'s re-run in ``region`` holds less because the region made inputs it frees: the most of
+    its ``Stage.input_savings`` that the region starts early enough for, with its option.
 
-    >>> stages = tuple(Stage(f"s{i}", 1.0, 2.0) for i in range(3))
-    >>> released_inputs_from(Problem(stages, (TensorInfo("bn", 100, 0, frozenset({2})),)))
-    [None, None, 0]
+    >>> stage = Stage("relu", 1.0, 2.0, input_savings=(InputSaving(3, (30, 10)), InputSaving(1, (100, 40))))
+    >>> problem = Problem(tuple(Stage(f"s{k}", 1.0, 2.0) for k in range(4)) + (stage,), ())
+    >>> [input_saving(problem, Region(start, 5), 4) for start in (4, 3, 2, 1, 0)]
+    [0, 30, 30, 100, 100]
+    >>> input_saving(problem, Region(1, 5, (0, 0, 0, 1)), 4)
+    40
     """
-    first: list[int | None] = [None] * problem.num_stages
-    for t in problem.tensors:
-        last = last_rerun_reader(t)
-        if last is not None:
-            first[last] = t.producer if first[last] is None else min(first[last], t.producer)
-    return first
-
-
-def input_saving(problem: Problem, region: Region, j: int, first_input: Sequence[int | None]) -> int:
-    """What stage ``j``'s re-run in ``region`` holds less because the region made every input it frees
-    (``Stage.rerun_input_saving_bytes``, for an option that caches nothing; 0 otherwise)."""
-    stage = problem.stages[j]
-    if first_input[j] is None or first_input[j] < region.start or \
-            stage.recompute_options[region.option_of(j)].cached_nodes:
-        return 0
-    return stage.rerun_input_saving_bytes
+    option = region.option_of(j)
+    return max((s.of(option) for s in problem.stages[j].input_savings if region.start <= s.since), default=0)
 
 
 def _rerun_bytes(problem: Problem, schedule: Schedule) -> _Rerun:
     n = problem.num_stages
-    rerun = _Rerun([0] * n, [0] * n, [0] * n, [0] * n, released_inputs_from(problem))
+    rerun = _Rerun([0] * n, [0] * n, [0] * n, [0] * n)
     owner = schedule.region_index(n)
     for t in problem.tensors:
         if owner[t.producer] is None:
@@ -541,7 +563,7 @@ def _recompute_peak(problem: Problem, region: Region, rerun: _Rerun) -> tuple[in
         stage, option = problem.stages[j], region.option_of(j)
         workspace = stage.recompute_workspace_of(option)
         own = stage.stopped_rerun(option, rerun.kept[j], rerun.saved_self[j]) if stops else rerun.kept[j] + workspace
-        own -= input_saving(problem, region, j, rerun.first_input)
+        own -= input_saving(problem, region, j)
         moment = earlier + own
         workspace = own - (rerun.saved_self[j] if stops else rerun.kept[j])
         if best is None or moment > best[0]:

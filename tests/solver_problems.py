@@ -1,7 +1,9 @@
 """Random planning problems and brute force over every schedule, for the solver tests (torch-free).
 
 ``random_chain`` builds problems where :meth:`Problem.is_chain` holds; ``random_dag`` adds tensors with several
-consumers far ahead (skip connections), savers that are not readers, outputs and shared nodes. Option 0 of every
+consumers far ahead (skip connections), savers that are not readers, outputs and shared nodes. Both return some
+tensors that the caller lets go (``TensorInfo.returned``: alive to the end of the forward, kept by a re-run to its
+end; a chain's from its last two stages). Option 0 of every
 stage recomputes everything at the stage's forward time (less what half the stages skip when their region caches
 nothing and stops early after them); later options cache some of the stage's nodes.
 
@@ -18,7 +20,8 @@ import dataclasses
 import itertools
 import random
 
-from planner.problem import Problem, RecomputeOption, Region, Schedule, Stage, TensorInfo, simulate
+from planner.problem import (InputSaving, Problem, RecomputeOption, Region, Schedule, Stage, TensorInfo,
+                             last_rerun_reader, simulate)
 
 
 def _options(rng: random.Random, stage: int, forward_seconds: float, nodes: list[str],
@@ -54,13 +57,31 @@ def _stage(rng: random.Random, k: int, nodes: list[str], num_options: int, unit:
                   backward_workspace_bytes=unit * rng.choice([0, 2, 8]),
                   recompute_workspace_bytes=rng.choice([None, unit * rng.choice([0, 6, 20])]),
                   options=_options(rng, k, forward, nodes, num_options, unit), **extra)
-    # what its re-run holds less when its region made the inputs it frees: part of what its workspaces count
-    # (costmodel.held_input_excess), drawn apart
-    saving = unit * random.Random(f"inputs/{k}/{forward}").choice([0, 0, 1, 3])
-    saving = min(saving, stage.recompute_workspace, *([stage.stopped_rerun_bytes] if stage.stopped_rerun_bytes
-                                                      is not None else []))
-    return dataclasses.replace(stage, rerun_input_saving_bytes=saving) if "rerun_input_saving_bytes" in \
-        _STAGE_FIELDS else stage
+    return stage
+
+
+def _with_input_savings(stages: list[Stage], tensors: tuple[TensorInfo, ...], unit: int, name: str) -> list[Stage]:
+    """``stages`` with what each one's re-run holds less where its region made inputs it frees (tensors of earlier
+    stages it reads last, which nothing saves): per stage making some, from the latest, per option, part of what
+    its workspaces count (``costmodel.input_savings``), never less than a later start's; drawn apart."""
+    if "input_savings" not in _STAGE_FIELDS:
+        return stages
+    makers: list[set[int]] = [set() for _ in stages]
+    for t in tensors:
+        if (reader := last_rerun_reader(t)) is not None:
+            makers[reader].add(t.producer)
+    out = []
+    for k, stage in enumerate(stages):
+        rng = random.Random(f"inputs/{name}/{k}")
+        savings, most = [], [0] * len(stage.recompute_options)
+        for since in sorted(makers[k], reverse=True):
+            for o, option in enumerate(stage.recompute_options):
+                room = [stage.recompute_workspace_of(o)] + ([stage.stopped_rerun_bytes] if not option.cached_nodes
+                                                            and stage.stopped_rerun_bytes is not None else [])
+                most[o] = max(most[o], min(unit * rng.choice([0, 0, 1, 3]), *room))
+            savings.append(InputSaving(since, tuple(most)))
+        out.append(dataclasses.replace(stage, input_savings=tuple(s for s in savings if any(s.option_bytes))))
+    return out
 
 
 def _region_seconds(kind: str, n: int, seed: int) -> dict[str, float]:
@@ -68,6 +89,14 @@ def _region_seconds(kind: str, n: int, seed: int) -> dict[str, float]:
     problems' other draws stay as they were."""
     return {"region_seconds": random.Random(f"region/{kind}/{n}/{seed}").choice([0.0, 0.0, 0.4, 1.5]),
             "caching_region_seconds": random.Random(f"caching/{kind}/{n}/{seed}").choice([0.0, 0.0, 0.3, 1.2])}
+
+
+def _returned(tensors: list[TensorInfo], kind: str, n: int, seed: int, since: int = 0) -> tuple[TensorInfo, ...]:
+    """``tensors`` with about one in ten of those made from stage ``since`` on returned to a caller who lets it go
+    (alive to the end of the forward), drawn apart so that the problems' other draws stay as they were."""
+    rng = random.Random(f"returned/{kind}/{n}/{seed}")
+    return tuple(dataclasses.replace(t, returned=True) if rng.random() < 0.1 and t.producer >= since else t
+                 for t in tensors)
 
 
 def random_chain(n: int, seed: int = 0, *, num_options: int = 2, unit: int = 8, outputs: bool = True) -> Problem:
@@ -88,8 +117,9 @@ def random_chain(n: int, seed: int = 0, *, num_options: int = 2, unit: int = 8, 
             tensors.append(TensorInfo(f"out{p}", unit * rng.randint(1, 10), p, frozenset(), savers,
                                       node=rng.choice(nodes), is_output=True))
         stages.append(_stage(rng, p, nodes, num_options, unit))
-    return Problem(tuple(stages), tuple(tensors), fixed_bytes=unit * rng.randint(0, 40), name=f"chain{n}_{seed}",
-                   **_region_seconds("chain", n, seed))
+    tensors = _returned(tensors, "chain", n, seed, since=n - 2)
+    return Problem(tuple(_with_input_savings(stages, tensors, unit, f"chain{n}_{seed}")), tensors,
+                   fixed_bytes=unit * rng.randint(0, 40), name=f"chain{n}_{seed}", **_region_seconds("chain", n, seed))
 
 
 def random_dag(n: int, seed: int = 0, *, num_options: int = 2, unit: int = 8, reach: int = 3) -> Problem:
@@ -106,8 +136,9 @@ def random_dag(n: int, seed: int = 0, *, num_options: int = 2, unit: int = 8, re
             tensors.append(TensorInfo(f"t{p}_{j}", unit * rng.randint(1, 25), p, consumers, savers,
                                       node=rng.choice(nodes), is_output=rng.random() < 0.05))
         stages.append(_stage(rng, p, nodes, num_options, unit))
-    return Problem(tuple(stages), tuple(tensors), fixed_bytes=unit * rng.randint(0, 40), name=f"dag{n}_{seed}",
-                   **_region_seconds("dag", n, seed))
+    tensors = _returned(tensors, "dag", n, seed)
+    return Problem(tuple(_with_input_savings(stages, tensors, unit, f"dag{n}_{seed}")), tensors,
+                   fixed_bytes=unit * rng.randint(0, 40), name=f"dag{n}_{seed}", **_region_seconds("dag", n, seed))
 
 
 def all_schedules(problem: Problem) -> list[Schedule]:
@@ -196,13 +227,13 @@ def bn_relu_conv(blocks=1, conv_workspace=300, relu_held_input=0):
     """Blocks of three stages, as ResNet at sublayer granularity: a BatchNorm whose output only the next stage's
     ReLU reads (nothing saves it), the ReLU (saved by itself and the convolution) and a convolution.
     ``relu_held_input``: what holding the BatchNorm's output adds to the ReLU's re-run (in its recompute workspace),
-    not there when the region made it (``Stage.rerun_input_saving_bytes``)."""
+    not there when the region made it (``Stage.input_savings``)."""
     stages, tensors = [], []
     for b in range(blocks):
         k = 3 * b
         last = b == blocks - 1
         stages += [Stage(f"bn{b}", 1.0, 2.0), Stage(f"relu{b}", 1.0, 2.0, recompute_workspace_bytes=relu_held_input,
-                                                    rerun_input_saving_bytes=relu_held_input),
+                                                    input_savings=(InputSaving(k, (relu_held_input,)),)),
                    Stage(f"conv{b}", 3.0, 6.0, forward_workspace_bytes=conv_workspace)]
         tensors += [TensorInfo(f"bn{b}", 100, k, frozenset({k + 1}), node=f"bn{b}"),
                     TensorInfo(f"relu{b}", 100, k + 1, frozenset({k + 2}), frozenset({k + 1, k + 2}),

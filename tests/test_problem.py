@@ -2,8 +2,8 @@
 
 import pytest
 
-from planner.problem import (Phase, Problem, RecomputeOption, Region, Schedule, Stage, TensorInfo, liveness,
-                             simulate, without_empty_regions)
+from planner.problem import (InputSaving, Phase, Problem, RecomputeOption, Region, Schedule, Stage, TensorInfo,
+                             input_saving, liveness, simulate, without_empty_regions)
 from planner.solvers import solve
 from tests.solver_problems import bn_relu_conv
 
@@ -181,6 +181,61 @@ def test_a_cached_output_is_held_by_the_caller_and_counted_once():
     recompute = next(e for e in simulate(problem, Schedule((Region(0, 1, (1,)),))).events
                      if e.phase is Phase.RECOMPUTE)
     assert recompute.activation_bytes == 64
+
+
+def _encoder_decoder(returned: bool) -> Problem:
+    """An encoder whose output only the first decoder stage reads, and that the model may return as well."""
+    stages = tuple(Stage(name, 1.0, 2.0) for name in ("encoder", "decoder0", "decoder1", "head"))
+    tensors = (TensorInfo("encoder_out", 100, 0, consumers=frozenset({1}), node="e", returned=returned),
+               TensorInfo("a0", 50, 0, savers=frozenset({0}), node="a0"),
+               TensorInfo("a1", 30, 1, savers=frozenset({1}), node="a1"),
+               TensorInfo("a2", 20, 2, savers=frozenset({2}), node="a2"),
+               TensorInfo("h", 5, 2, consumers=frozenset({3}), savers=frozenset({3}), node="h"))
+    return Problem(stages, tensors, fixed_bytes=1000)
+
+
+def test_a_returned_output_the_caller_lets_go_lives_to_the_end_of_the_forward_and_of_its_region_re_run():
+    """T5 returns its encoder's output beside the loss: the caller drops it before the backward
+    (``hold_outputs=False``), but the forward keeps it to its end, and a region that makes it returns it, so the
+    region's re-run keeps it to its end too (a T5 region from the encoder to the decoder measured 32,768 bytes
+    over its prediction under autocast while the model let it die in its last reader)."""
+    dropped, returned = _encoder_decoder(False), _encoder_decoder(True)
+    forward = [e.total_bytes for e in simulate(returned, Schedule()).events if e.phase is Phase.FORWARD]
+    assert forward == [1000 + 150, 1000 + 180, 1000 + 205, 1000 + 205]  # encoder_out, a0, a1, a2, h
+    assert simulate(dropped, Schedule()).peak_bytes == 1000 + 180  # encoder_out dies in decoder0
+    region = Schedule((Region(0, 3),))
+
+    def recompute(problem):
+        return next(e.total_bytes for e in simulate(problem, region).events if e.phase is Phase.RECOMPUTE)
+
+    assert recompute(returned) == 1000 + 100 + 50 + 30 + 20  # decoder1 re-runs beside encoder_out
+    assert recompute(dropped) == 1000 + 100 + 50 + 30  # at its most while decoder0 re-runs
+    assert not returned.is_chain() and dropped.is_chain()
+
+
+def test_a_region_that_made_some_of_the_inputs_a_stage_frees_holds_only_the_others_through_its_re_run():
+    """Stage 2 reads ``b0`` (made by stage 0) and ``b1`` (stage 1) last and nothing saves them: its working set
+    holds both through its re-run, as a region holds its inputs. A region from stage 1 made ``b1``, which dies
+    inside stage 2's re-run (12 bytes less at its peak); one from stage 0 made both (20 less)."""
+    saving = (InputSaving(since=1, option_bytes=(12,)), InputSaving(since=0, option_bytes=(20,)))
+    stages = (Stage("s0", 1.0, 2.0), Stage("s1", 1.0, 2.0),
+              Stage("s2", 1.0, 2.0, backward_workspace_bytes=0, input_savings=saving))
+    tensors = (TensorInfo("b0", 8, 0, consumers=frozenset({2}), node="b0"),
+               TensorInfo("b1", 12, 1, consumers=frozenset({2}), node="b1"),
+               TensorInfo("a2", 500, 2, savers=frozenset({2}), node="a2"))
+    problem = Problem(stages, tensors)
+
+    def recompute(start):
+        region = Region(start, 3)
+        assert input_saving(problem, region, 2) == {2: 0, 1: 12, 0: 20}[start]
+        return next(e.total_bytes for e in simulate(problem, Schedule((region,))).events
+                    if e.phase is Phase.RECOMPUTE)
+
+    assert recompute(2) == 8 + 12 + 500  # both are the region's inputs
+    assert recompute(1) == 8 + 12 + 500 - 12
+    assert recompute(0) == 8 + 12 + 500 - 20
+    with pytest.raises(ValueError, match="saves on inputs"):
+        Problem((Stage("s0", 1.0, 2.0, input_savings=saving[:1]),), ())
 
 
 def _with_a_residual_stage() -> Problem:

@@ -55,7 +55,7 @@ def test_dp_frees_what_the_next_stage_re_runs_last_at_every_budget():
 
 def test_dp_counts_a_held_input_only_where_the_region_did_not_make_it():
     """The ReLU's recompute workspace holds the BatchNorm's output as a region's input would be held; where its own
-    region made it, it dies inside the ReLU as in the eager step (``Stage.rerun_input_saving_bytes``). Without it
+    region made it, it dies inside the ReLU as in the eager step (``Stage.input_savings``). Without it
     the program missed the best plan at 2 of the 8 budgets."""
     problem = bn_relu_conv(blocks=2, conv_workspace=50, relu_held_input=100)
     table = brute_force_table(problem)

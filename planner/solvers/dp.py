@@ -64,8 +64,8 @@ import numpy as np
 
 from ..errors import PlannerError
 from ..plan import Plan, SolverStatus, relative_gap
-from ..problem import Problem, Region, Schedule, Stage, TensorInfo, recompute_seconds, released_inputs_from, \
-    simulate, stage_recompute_seconds
+from ..problem import Problem, Region, Schedule, Stage, TensorInfo, recompute_seconds, simulate, \
+    stage_recompute_seconds
 from .baselines import chen_sqrt, infeasible_budget_error, store_all, uniform
 from .ilp import unheld_forward_until
 
@@ -89,6 +89,7 @@ class _Local:
     forward_self: bool  # alive in p's forward even when nothing holds it
     forward_next: bool  # alive in p+1's forward even when nothing holds it
     caching: frozenset[int]
+    returned: bool = False  # a model output the caller lets go: its region's re-run keeps it to the end
 
     def held_next(self, kind: str) -> bool:
         """Whether a following segment of ``kind`` holds it (from ``p+1`` on)."""
@@ -101,13 +102,13 @@ class _Local:
     @property
     def keeps(self) -> bool:
         """Kept past its stage by a re-run (see :func:`~planner.problem.keeps`), unless cached."""
-        return self.saved_self or self.saved_next or self.read_next
+        return self.saved_self or self.saved_next or self.read_next or self.returned
 
     @property
     def freed_by_next(self) -> bool:
         """Kept by a re-run only until the next stage of its region has re-run: that stage reads it and nothing saves
         it (see :func:`~planner.problem.last_rerun_reader`)."""
-        return self.read_next and not (self.saved_self or self.saved_next)
+        return self.read_next and not (self.saved_self or self.saved_next or self.returned)
 
 
 @dataclass(frozen=True)
@@ -121,8 +122,10 @@ class _Pinned:
     is_output: bool
 
 
-def _is_local(t: TensorInfo) -> bool:
-    return not t.is_output and max(t.consumers | t.savers | {t.producer}) <= t.producer + 1
+def _is_local(t: TensorInfo, num_stages: int) -> bool:
+    """Read, saved and (when returned, to the end of the forward) alive only in its producer and the next stage."""
+    return not t.is_output and max(t.consumers | t.savers | {t.producer}) <= t.producer + 1 and \
+        (not t.returned or t.producer >= num_stages - 2)
 
 
 @dataclass(frozen=True)
@@ -152,7 +155,9 @@ class _Rerun:
     left: tuple[int, ...]
     caching: tuple[bool, ...]  # whether the option caches anything (its region then runs through)
     freed_by_next: tuple[int, ...]
-    input_saving: tuple[int, ...]  # what its re-run holds less when its region made its freed inputs (Stage)
+    # what its re-run holds less, per option, when its region starts at least ``back`` stages before it and so made
+    # inputs it frees: (back, per-option bytes) pairs, from Stage.input_savings (relative: repeated blocks match)
+    input_saving: tuple[tuple[int, tuple[int, ...]], ...]
 
 
 def _rerun(tensors: tuple[_Local, ...], pinned: tuple[_Pinned, ...], stage: Stage, k: int) -> _Rerun:
@@ -170,7 +175,8 @@ def _rerun(tensors: tuple[_Local, ...], pinned: tuple[_Pinned, ...], stage: Stag
         left.append(kept - consumed - freed_next)
         caching.append(bool(option.cached_nodes))
         freed.append(freed_next)
-    saving = tuple(0 if option.cached_nodes else stage.rerun_input_saving_bytes for option in stage.recompute_options)
+    saving = tuple((k - s.since, tuple(s.of(o) for o in range(len(stage.recompute_options))))
+                   for s in stage.input_savings)
     return _Rerun(tuple(through), tuple(stopped), tuple(left), tuple(caching), tuple(freed), saving)
 
 
@@ -208,7 +214,6 @@ class _Tables:
     pending: dict[tuple[int, int, str], "_Pending"]  # (i, how stage i-1 ran, kind at i) -> stage i-1's tensors
     option_seconds: tuple[tuple[float, ...], ...]
     stop_skips: tuple[tuple[float, ...], ...]  # per option: what a region that caches nothing saves ending there
-    first_input: tuple[int | None, ...]  # per stage: problem.released_inputs_from
     optimistic: bool = False  # round what H gains down instead of up: a relaxation, for lower bounds
 
     def units(self, nbytes):
@@ -224,8 +229,8 @@ class _Tables:
     def input_saving(self, k: int, option: int, start: int) -> int:
         """What stage ``k``'s re-run with ``option`` holds less in a region from ``start`` (see
         :func:`~planner.problem.input_saving`)."""
-        first = self.first_input[k]
-        return 0 if first is None or first < start else self.sums[k].rerun.input_saving[option]
+        return max((saving[option] for back, saving in self.sums[k].rerun.input_saving if k - start >= back),
+                   default=0)
 
     def stop_skip(self, k: int, option: int) -> float:
         """What a region that caches nothing saves when it ends at stage ``k`` run with ``option`` (see
@@ -242,10 +247,10 @@ def _tables(problem: Problem, unit: int, optimistic: bool = False) -> _Tables:
         p, size = t.producer, t.nbytes
         options = problem.stages[p].recompute_options
         caching = frozenset(o for o, option in enumerate(options) if t.node in option.cached_nodes)
-        if _is_local(t):
+        if _is_local(t, n):
             until = unheld_forward_until(problem, t)
             locals_[p].append(_Local(size, p in t.savers, p + 1 in t.savers, p + 1 in t.consumers,
-                                     until >= p, until >= p + 1, caching))
+                                     until >= p, until >= p + 1, caching, t.returned))
         else:
             pinned[p].append(_Pinned(p, size, min(t.savers) if t.savers else None, caching, t.is_output))
     pinned_forward = [sum(x.nbytes for q in range(k + 1) for x in pinned[q]) for k in range(n)]
@@ -270,8 +275,7 @@ def _tables(problem: Problem, unit: int, optimistic: bool = False) -> _Tables:
                                      _rerun(tuple(locals_[k]), tuple(pinned[k]), stages[k], k)), unit, optimistic)
               for k in range(n)),
         pending, tuple(tuple(o.recompute_seconds for o in s.recompute_options) for s in stages),
-        tuple(tuple(s.stop_saving(o) for o in range(len(s.recompute_options))) for s in stages),
-        tuple(released_inputs_from(problem)), optimistic)
+        tuple(tuple(s.stop_saving(o) for o in range(len(s.recompute_options))) for s in stages), optimistic)
 
 
 def _quantized(sums: _StageSums, unit: int, optimistic: bool) -> _StageSums:
@@ -284,8 +288,9 @@ def _quantized(sums: _StageSums, unit: int, optimistic: bool) -> _StageSums:
         least = {kind: min(sums.forward_end[o, kind] for o in range(len(sums.cached))) for kind in (*KINDS, NONE)}
         options = len(sums.cached)
         lowest = [(min(values),) * options for values in (sums.rerun.stopped, sums.rerun.stopped, sums.rerun.left)]
+        most = max((max(saving) for _, saving in sums.rerun.input_saving), default=0)
         rerun = _Rerun(*lowest, (False,) * options, (min(sums.rerun.freed_by_next),) * options,
-                       (max(sums.rerun.input_saving),) * options)
+                       ((0, (most,) * options),) if most else ())
         return dataclasses.replace(sums, cached=tuple(map(whole, sums.cached)),
                                    forward_inner=(min(sums.forward_inner),) * options,
                                    forward_end={key: least[key[1]] for key in sums.forward_end}, rerun=rerun)
@@ -674,9 +679,7 @@ def _signature(tables: _Tables, k: int) -> tuple | None:
     Seconds are compared to 12 digits: sums of the same times in another order differ in the last bits."""
     if tables.pinned[k]:
         return None
-    first = tables.first_input[k]
-    return tables.sums[k], None if first is None else k - first, \
-        tuple(float(f"{s:.12g}") for s in (*tables.option_seconds[k], *tables.stop_skips[k]))
+    return tables.sums[k], tuple(float(f"{s:.12g}") for s in (*tables.option_seconds[k], *tables.stop_skips[k]))
 
 
 def _repeats(tables: _Tables) -> dict[int, _Repeat]:
@@ -1278,7 +1281,7 @@ def _split_far(problem: Problem) -> tuple[list[TensorInfo], list[TensorInfo]]:
     for t in problem.tensors:
         if t.is_output:
             kept.append(dataclasses.replace(t, consumers=frozenset()))
-        elif _is_local(t):
+        elif _is_local(t, problem.num_stages):
             kept.append(t)
         else:
             far.append(t)
@@ -1288,8 +1291,9 @@ def _split_far(problem: Problem) -> tuple[list[TensorInfo], list[TensorInfo]]:
 def chain_relaxation(problem: Problem) -> Problem:
     """A chain on which every schedule peaks no higher than on ``problem``: its optimum is a lower bound.
 
-    A tensor read or saved past the next stage is dropped; the forward bytes it occupies whatever the schedule
-    (from its producer to its last forward reader) move into those stages' forward workspaces. Model outputs
+    A tensor read or saved past the next stage (or returned from earlier than the last two stages) is dropped;
+    the forward bytes it occupies whatever the schedule (from its producer to its last forward reader, or to the
+    end when returned) move into those stages' forward workspaces. Model outputs
     lose their readers, which changes nothing (the caller holds them throughout). On a chain it returns
     ``problem`` itself.
 
@@ -1304,10 +1308,9 @@ def chain_relaxation(problem: Problem) -> Problem:
         return problem
     kept, far = _split_far(problem)
     extra = [0] * problem.num_stages
-    for t in far:
-        if t.last_forward_use > t.producer:  # else it may die inside its stage: nothing is forced
-            for k in range(t.producer, t.last_forward_use + 1):
-                extra[k] += t.nbytes
+    for t in far:  # one that dies inside its stage forces nothing
+        for k in range(t.producer, unheld_forward_until(problem, t) + 1):
+            extra[k] += t.nbytes
     stages = tuple(s.plus_forward_bytes(extra[k]) for k, s in enumerate(problem.stages))
     return dataclasses.replace(problem, stages=stages, tensors=tuple(kept), name=f"{problem.name} (chain relaxation)")
 

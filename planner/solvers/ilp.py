@@ -33,9 +33,9 @@ Memory (continuous, only bounded from below, since they appear only on the left 
   ``freed[g] <= w[p,j-1]``, ``<= 1 - c[g]``, at most 1); ``inside_from[j] >= inside(j) + inside_from[j+1]
   - M (1 - s[j])`` (caches that the re-runs of ``j`` and the later stages of its region consume themselves);
   ``through[j] >= kept_before[j] + kept(j) + workspace(j) + inside_from[j] - saving(j)`` (the moment ``j``
-  re-runs, when the re-run goes on past it; ``saving(j)`` is ``Stage.rerun_input_saving_bytes`` times
-  ``input_saving[j] <= w[first,j]``, ``<=`` the sum of ``j``'s options that cache nothing, where ``first`` makes
-  the first input ``j`` frees: ``problem.input_saving``). ``rerun[k] >= through[j] +
+  re-runs, when the re-run goes on past it; ``saving(j)`` sums, over ``j``'s options ``o`` and its
+  ``Stage.input_savings`` from the latest ``since``, what each adds to the ones before times
+  ``input_saving[j,o,i] <= w[since,j]``, ``<= x[j,o]``: ``problem.input_saving``). ``rerun[k] >= through[j] +
   output_grad_bytes(k) - M (2 - w[j,k] - e[k])`` for every ``j < k``, and ``>=`` the moment of ``k`` itself
   ``- M (1 - e[k])``: as ``through[k]``, but when its region caches nothing it stops after ``k``'s last saving op
   (``Stage.stopped_rerun``; ``runs_on[k] >= gap(k) (caches[k] + x[k,o] - 1)`` adds the rest when the region
@@ -88,7 +88,7 @@ import pulp
 from ..errors import PlannerError
 from ..plan import Plan, SolverStatus, relative_gap
 from ..problem import (Phase, Problem, Region, Schedule, TensorInfo, keeps, last_rerun_reader, liveness,
-                       recompute_seconds, released_inputs_from, simulate)
+                       recompute_seconds, simulate)
 from .baselines import chen_sqrt, fewest_blocks, infeasible_budget_error, store_all, uniform
 
 Expr = pulp.LpAffineExpression
@@ -105,6 +105,7 @@ class TensorGroup:
     savers: frozenset[int]
     caching_options: frozenset[int]  # options of the producer that cache these tensors' node
     is_output: bool
+    returned: bool  # a model output the caller may let go (see TensorInfo)
     unheld_forward_until: int  # last forward stage they are alive at when nothing holds them
     nbytes: int
 
@@ -120,15 +121,15 @@ def unheld_forward_until(problem: Problem, tensor: TensorInfo) -> int:
 
 
 def group_tensors(problem: Problem) -> tuple[TensorGroup, ...]:
-    """Sum tensors that share producer, readers, savers, caching options and output flag."""
+    """Sum tensors that share producer, readers, savers, caching options and output flags."""
     sizes: dict[tuple, int] = defaultdict(int)
     for t in problem.tensors:
         options = problem.stages[t.producer].recompute_options
         caching = frozenset(o for o, option in enumerate(options) if t.node in option.cached_nodes)
-        key = (t.producer, t.consumers, t.savers, caching, t.is_output, unheld_forward_until(problem, t))
+        key = (t.producer, t.consumers, t.savers, caching, t.is_output, t.returned, unheld_forward_until(problem, t))
         sizes[key] += t.nbytes
-    return tuple(TensorGroup(p, c, s, o, out, until, nbytes)
-                 for (p, c, s, o, out, until), nbytes in sorted(sizes.items(), key=lambda kv: kv[0][0]))
+    return tuple(TensorGroup(p, c, s, o, out, returned, until, nbytes)
+                 for (p, c, s, o, out, returned, until), nbytes in sorted(sizes.items(), key=lambda kv: kv[0][0]))
 
 
 @dataclass(frozen=True)
@@ -424,8 +425,7 @@ class Encoding:
         self.caches = caches
         kept_before, most_before = self._kept_before(reruns)
         inside_from, most_inside = self._inside_from(reruns)
-        first_input = released_inputs_from(self.problem)
-        saving = [self._input_saving(k, first) for k, first in enumerate(first_input)]
+        saving = [self._input_saving(k) for k in range(n)]
         through = [self._at_least_or_zero(f"through_{j}", [kept_before[j] + self._over_options(j, r.through)
                                                           + inside_from[j] - saving[j]])
                    for j, r in enumerate(reruns)]
@@ -445,16 +445,21 @@ class Encoding:
             peaks.append(self.at_least(f"rerun_{k}", bounds))
         return peaks
 
-    def _input_saving(self, k: int, first: int | None) -> Expr | int:
-        """What stage ``k``'s re-run holds less when its region made every input it frees
-        (``Stage.rerun_input_saving_bytes``): times ``saved[k] <= w[first,k]`` and ``<=`` the sum of ``k``'s
-        options that cache nothing, which a smaller re-run moment pushes up to that."""
-        stage = self.problem.stages[k]
-        plain = [x for x, option in zip(self.choose[k], stage.recompute_options) if not option.cached_nodes]
-        if first is None or not stage.rerun_input_saving_bytes or not plain:
-            return 0
-        return stage.rerun_input_saving_bytes * self.at_most(f"input_saving_{k}",
-                                                             [self.same_region(first, k), pulp.lpSum(plain)])
+    def _input_saving(self, k: int) -> Expr | int:
+        """What stage ``k``'s re-run holds less because its region made inputs it frees (``Stage.input_savings``,
+        :func:`~planner.problem.input_saving`: the most of those its region starts early enough for): per option
+        and saving, from the latest ``since``, what it adds to the ones before, times a variable ``<= w[since,k]``
+        and ``<= x[k,o]``, which a smaller re-run moment pushes up to that."""
+        savings = sorted(self.problem.stages[k].input_savings, key=lambda saving: -saving.since)
+        terms = []
+        for o, chosen in enumerate(self.choose[k]):
+            most = 0
+            for index, saving in enumerate(savings):
+                if saving.of(o) > most:
+                    bounds = [self.same_region(saving.since, k), chosen]
+                    terms.append((saving.of(o) - most) * self.at_most(f"input_saving_{k}_{o}_{index}", bounds))
+                    most = saving.of(o)
+        return pulp.lpSum(terms) if terms else 0
 
     def stops_early(self, k: int) -> pulp.LpVariable | Expr:
         """At most 1 when a region that caches nothing ends at ``k`` (its re-run stops early there), else at most
@@ -515,7 +520,7 @@ class Encoding:
             return
         for k in beyond:
             terms.forward[k].append(size * live.held_at_all)
-        consumed_inside = g.caching_options and not (g.savers or g.consumers - {g.producer})  # see rerun[k]
+        consumed_inside = g.caching_options and not keeps(g)  # see rerun[k]
         for k in range(n):
             for bucket, var in ((terms.start, live.start_at(k)), (terms.after, live.after_at(k)),
                                 (terms.recompute, live.start_at(k) if consumed_inside else live.after_at(k + 1))):
