@@ -33,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import heapq
+import itertools
 import re
 from collections import Counter
 from dataclasses import dataclass
@@ -42,7 +43,7 @@ import torch.fx as fx
 
 from .dropout import is_mask
 from .errors import PlannerError
-from .problem import (InputSaving, Phase, Problem, RecomputeOption, Schedule, Stage, TensorInfo, keeps,
+from .problem import (HeldInputs, InputSaving, Phase, Problem, RecomputeOption, Schedule, Stage, TensorInfo, keeps,
                       last_rerun_reader, simulate)
 from .profile import GraphProfile, NodeProfile, StageMeasurement
 
@@ -441,7 +442,7 @@ def build_problem(profile: GraphProfile, stages: Sequence[StageSpec], *, random_
             savers.setdefault(key, set()).add(stage_of[n.name])
     tensors = []
     released: list[dict[int, int]] = [{} for _ in stages]  # per stage: storages it reads last, nothing saves
-    made_by: dict[int, int] = {}  # storage key -> the stage that makes it
+    made: dict[int, TensorInfo] = {}  # storage key -> its tensor
     for n in profile.nodes:
         producer = stage_of[n.name]
         for record in n.created:
@@ -454,7 +455,7 @@ def build_problem(profile: GraphProfile, stages: Sequence[StageSpec], *, random_
                 savers=frozenset(savers.get(record.key, set())),
                 is_output=hold_outputs and record.key in profile.output_keys,
                 returned=record.key in profile.output_keys))
-            made_by[record.key] = producer
+            made[record.key] = tensors[-1]
             if (reader := last_rerun_reader(tensors[-1])) is not None:
                 released[reader][record.key] = record.nbytes
     grad_stage: dict[str, int] = {}
@@ -479,7 +480,7 @@ def build_problem(profile: GraphProfile, stages: Sequence[StageSpec], *, random_
     problem = Problem(tuple(built), tuple(tensors), profile.fixed_bytes + extra_fixed_bytes, name)
     last_use = {key: max(readers.get(key, set()) | savers.get(key, set())) for key in readers.keys() | savers.keys()}
     return _with_replayed_workspaces(problem, [[by_name[x] for x in spec.nodes] for spec in stages], released,
-                                     made_by, lambda key, k: last_use.get(key, -1) > k or key in profile.output_keys)
+                                     made, lambda key, k: last_use.get(key, -1) > k or key in profile.output_keys)
 
 
 def held_input_excess(nodes: Sequence[NodeProfile], inputs: dict[int, int], outlives: Callable[[int], bool]) -> int:
@@ -542,14 +543,15 @@ def _crossing_gradient_bytes(profile: GraphProfile, stage_of: dict[str, int], re
 
 
 def _with_replayed_workspaces(problem: Problem, stage_nodes: Sequence[Sequence[NodeProfile]],
-                              released: Sequence[dict[int, int]], made_by: dict[int, int],
+                              released: Sequence[dict[int, int]], made: dict[int, TensorInfo],
                               outlives: Callable[[int, int], bool]) -> Problem:
     """``problem`` with what replays of its stages' re-runs tell: the recompute workspace of every caching option
     (see :func:`caching_workspace`), the forward workspace of every option inside a region
     (:func:`checkpointed_forward_peak`), a re-run's working set when its region stops early after it
     (:func:`stopped_rerun_peak`), and what holding the storages each stage frees (``released[k]``, by key, with
-    their bytes; ``made_by[key]``: the stage that makes it) adds to it, and how much of that is not there when its
-    region made some of them (:func:`held_input_excess`, :func:`input_savings`). ``outlives(key, k)``: whether a
+    their bytes; ``made[key]``: its tensor) adds to it, per set of them that can be held apart
+    (:func:`held_input_sets`), and how much of that is not there when its region made some of them
+    (:func:`held_input_excess`, :func:`input_savings`). ``outlives(key, k)``: whether a
     storage of stage ``k`` is read or saved by a later stage, or is an output. Options that cache nothing keep the
     calibrated forward workspace: a region that caches nothing stops its re-run early, and until then repeats the
     eager forward."""
@@ -565,10 +567,12 @@ def _with_replayed_workspaces(problem: Problem, stage_nodes: Sequence[Sequence[N
             workspace_bytes=caching_workspace(nodes, own[k], o.cached_nodes, outlives_k) if o.cached_nodes else None)
             for o in stage.recompute_options)
         held = held_input_excess(nodes, released[k], outlives_k)
+        made_by = {key: made[key].producer for key in released[k]}
         savings = input_savings(nodes, [o.cached_nodes for o in stage.recompute_options], released[k], made_by,
                                 outlives_k)
         stage = dataclasses.replace(stage, stopped_rerun_bytes=stopped_rerun_peak(nodes, outlives_k),
-                                    held_input_bytes=held, input_savings=savings)
+                                    held_input_bytes=held, input_savings=savings,
+                                    held_inputs=held_input_sets(nodes, released[k], made, outlives_k))
         stages.append(dataclasses.replace(stage, options=options) if stage.options else stage)
     return dataclasses.replace(problem, stages=tuple(stages))
 
@@ -641,6 +645,58 @@ def _stopped_run(nodes: Sequence[NodeProfile]) -> tuple[list[NodeProfile], set[i
     if last.made_by_last_save is not None:
         last = dataclasses.replace(last, created=last.created[:last.made_by_last_save], busiest_bytes=None)
     return [*nodes[:stop], last], read_later
+
+
+HELD_INPUT_GROUPS = 4  # sets of held inputs told apart per stage (every union of them); past that, any of them held
+# counts as all of them
+
+
+def held_input_sets(nodes: Sequence[NodeProfile], inputs: dict[int, int], made: dict[int, TensorInfo],
+                    outlives: Callable[[int], bool]) -> tuple[HeldInputs, ...]:
+    """What a stage's replayed forward peak (its ``nodes``) rises by while some of its ``inputs`` (storages of
+    earlier stages it reads last and nothing saves, by key, with their bytes; ``made[key]``: each one's tensor)
+    are held through it, for every union of the groups that are held or not together (same producer, readers and
+    node: the same region input, the same cache); over ``HELD_INPUT_GROUPS`` groups, what holding them all adds
+    for each group alone. Only the sets that add more than every set within them.
+
+    >>> from planner.profile import StorageRecord
+    >>> def node(name, made, reads=()):
+    ...     records = tuple(StorageRecord(key, size, True) for key, size in made)
+    ...     return NodeProfile(name, "", 1.0, 0, records, frozenset(reads), frozenset(), frozenset(), False)
+    >>> stage = [node("add", [(3, 50)], {1}), node("softmax", [(4, 400)], {2, 3})]   # frees 1, then 2
+    >>> made = {1: TensorInfo("bias", 100, 0, frozenset({2})), 2: TensorInfo("mask", 10, 1, frozenset({2}))}
+    >>> sets = held_input_sets(stage, {1: 100, 2: 10}, made, lambda key: key == 4)
+    >>> [(sorted(h.tensors), h.excess_bytes) for h in sets]   # the mask is alive at the softmax anyway
+    [(['bias'], 100)]
+    """
+    if not inputs:
+        return ()
+    groups: dict[tuple, set[int]] = {}
+    for key in inputs:
+        t = made[key]
+        groups.setdefault((t.producer, t.consumers, t.node), set()).add(key)
+    alive = _replayed_alive(nodes, frozenset(), outlives)
+    last_reader = {key: i for i, n in enumerate(nodes) for key in n.reads if key in inputs}
+    eager = _held_peak(alive, last_reader, inputs, set())
+
+    def excess(keys: AbstractSet[int]) -> int:
+        return _held_peak(alive, last_reader, inputs, keys) - eager
+
+    def named(keys: AbstractSet[int]) -> frozenset[str]:
+        return frozenset(made[key].name for key in keys)
+
+    parts = list(groups.values())
+    if len(parts) > HELD_INPUT_GROUPS:
+        most = excess(inputs.keys())
+        return tuple(HeldInputs(named(part), most) for part in parts) if most > 0 else ()
+    sets: list[HeldInputs] = []
+    for size in range(1, len(parts) + 1):
+        for combination in itertools.combinations(parts, size):
+            keys = set().union(*combination)
+            extra = excess(keys)
+            if extra > max((h.excess_bytes for h in sets if h.tensors <= named(keys)), default=0):
+                sets.append(HeldInputs(named(keys), extra))
+    return tuple(sets)
 
 
 def input_savings(nodes: Sequence[NodeProfile], options: Sequence[frozenset[str]], inputs: dict[int, int],
@@ -838,10 +894,15 @@ def _stages_making_outputs(profile: GraphProfile, stage_of: dict[str, int]) -> s
 
 
 def calibrate(problem: Problem, measured: StageMeasurement) -> Problem:
-    """Set workspaces and backward times so that the model reproduces the measured eager step stage by stage. A
-    stage's recompute workspace is its forward workspace and what the eager step frees inside it that a region
-    may hold through its re-run adds to it (``Stage.held_input_bytes``, :func:`held_input_excess`; where unknown,
-    all of it: :func:`_released_in_reader`). What a stage's backward makes before it first reads a saved tensor
+    """Set workspaces and backward times so that the model reproduces the measured eager step stage by stage. A stage's
+    recompute workspace is its forward workspace and what the eager step frees inside it that a region may hold
+    through its re-run adds to it (``Stage.held_input_bytes``, :func:`held_input_excess`; where unknown, all of it:
+    :func:`_released_in_reader`). Where the model counts more in a stage's forward than its measured peak (those
+    inputs, counted all through it), the forward workspace is 0 and the difference is the forward's over-count,
+    which holding those inputs takes back first (``Stage.forward_overcount_bytes``,
+    :meth:`~planner.problem.Stage.held_input_forward`): T5's last decoder block frees the position and
+    cross-attention biases early, and its forward measured 49,152 bytes over the prediction with the block before it
+    checkpointed, which holds them as its inputs. What a stage's backward makes before it first reads a saved tensor
     (``StageMeasurement.before_first_unpack``) is alive while a region ending there is recomputed: it joins the
     gradients sent back past the stage (``Stage.output_grad_bytes``), as do the loss and the gradient the backward
     starts from (``StageMeasurement.loss_bytes``), which the measured backward workspaces hold already."""
@@ -856,10 +917,13 @@ def calibrate(problem: Problem, measured: StageMeasurement) -> Problem:
     stages = []
     for k, stage in enumerate(problem.stages):
         fwd_ws = max(0, measured.forward_peak[k] - forward[k].activation_bytes)
+        # the model counts the inputs the eager step frees before the stage's peak through all of it
+        overcount = max(0, forward[k].activation_bytes - measured.forward_peak[k])
         bwd_ws = max(0, measured.backward_peak[k] - backward[k].activation_bytes - backward[k].gradient_bytes)
         # the same measured peak seen from the stage's start (its own gradients then count as workspace)
         start_ws = max(0, measured.backward_peak[k] - started[k].activation_bytes - started[k].gradient_bytes)
         stages.append(dataclasses.replace(stage, forward_workspace_bytes=fwd_ws, backward_workspace_bytes=bwd_ws,
+                                          forward_overcount_bytes=overcount,
                                           backward_start_workspace_bytes=start_ws,
                                           recompute_workspace_bytes=fwd_ws + held[k],
                                           output_grad_bytes=stage.output_grad_bytes + before_rerun[k]

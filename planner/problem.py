@@ -12,7 +12,9 @@ carries. The rules, for a tensor ``t`` produced by stage ``p``:
 
 * forward: alive from ``p`` until its last forward reader, and to the end of the forward if something *holds* it
   or the model returns it; a tensor that nothing holds, the model does not return and no later stage reads lives
-  and dies inside stage ``p``: it is part of that stage's forward workspace, not counted on its own;
+  and dies inside stage ``p``: it is part of that stage's forward workspace, not counted on its own. A stage that
+  reads last tensors nothing saves (see :func:`last_rerun_reader`) while something holds some of them may need
+  more in its forward: the eager step frees them inside the stage (:meth:`Stage.held_input_forward`);
 * holders, each releasing ``t`` after the backward of a stage ``h``: a stored stage that saves ``t`` (``h`` = that
   stage); a region that reads ``t`` from outside (checkpoint keeps its inputs; ``h`` = the region's first stage);
   the selective-checkpoint cache of ``p``'s region (``h`` = the first stage of the region that saves ``t``; when no
@@ -105,6 +107,15 @@ class InputSaving:
 
 
 @dataclass(frozen=True)
+class HeldInputs:
+    """What a stage's replayed forward peak rises by (``excess_bytes``) while the tensors named ``tensors`` (ones
+    it reads last and nothing saves, which the eager step frees inside it) are held through it."""
+
+    tensors: frozenset[str]
+    excess_bytes: int
+
+
+@dataclass(frozen=True)
 class Stage:
     """A contiguous run of graph nodes, measured.
 
@@ -123,6 +134,12 @@ class Stage:
     ``held_input_bytes``: what the stage's forward needs more when the tensors of earlier stages that it reads last
     and nothing holds (the eager step frees them inside it) stay alive throughout it, as when a checkpoint region
     holds them; ``costmodel.calibrate`` adds it to the recompute workspace. None: all of those tensors' bytes.
+    ``held_inputs``: what the stage's replayed forward peak rises by when some of those tensors are held through
+    it (a region reading them from outside keeps them as its inputs, or a cache keeps them): one
+    :class:`HeldInputs` per set of them that can be held apart. ``forward_overcount_bytes``: what the model counts
+    in the stage's forward beyond its measured eager peak (those tensors, counted all through the stage where the
+    eager step frees them early), which the forward workspace, at least 0, leaves out; holding them takes it
+    back first (:meth:`held_input_forward`).
     ``input_savings``: what the stage's re-run holds less than its working set says where its region's own re-run
     made some of those inputs: they die inside it as in the eager step, so what holding them adds is not all
     there (:class:`InputSaving`, :func:`input_saving`).
@@ -145,6 +162,8 @@ class Stage:
     stopped_rerun_bytes: int | None = None
     early_stop_seconds: float = 0.0
     held_input_bytes: int | None = None
+    held_inputs: tuple["HeldInputs", ...] = ()
+    forward_overcount_bytes: int = 0
     input_savings: tuple["InputSaving", ...] = ()
     saves_nothing: bool = False
 
@@ -171,6 +190,22 @@ class Stage:
         """
         extra = None if option is None else self.recompute_options[option].forward_bytes
         return self.forward_workspace_bytes if extra is None else max(self.forward_workspace_bytes, extra)
+
+    def held_input_forward(self, held: Iterable[str]) -> int:
+        """What the stage's forward needs beyond its forward workspace while the tensors named ``held`` (of those it
+        reads last and nothing saves) are held through it: the most any of its :class:`HeldInputs` wholly held
+        adds, less the forward over-count. Inside a region, its option's forward workspace (replayed with those
+        tensors counted through the stage, as held) covers it as far as it goes (``simulate`` takes the larger).
+
+        >>> stage = Stage("s", 1.0, 2.0, held_inputs=(HeldInputs(frozenset({"bias"}), 300),
+        ...               HeldInputs(frozenset({"bias", "mask"}), 500)), forward_overcount_bytes=100)
+        >>> forward = stage.held_input_forward
+        >>> forward({"mask"}), forward({"bias"}), forward({"bias", "mask"})
+        (0, 200, 400)
+        """
+        held = set(held)
+        return max((max(0, e.excess_bytes - self.forward_overcount_bytes) for e in self.held_inputs
+                    if e.tensors <= held), default=0)
 
     def forward_extra_of(self, option: int) -> int:
         """Bytes the forward of this stage needs inside a region with ``option`` beyond what it needs stored (what
@@ -281,9 +316,16 @@ class Problem:
 
     def __post_init__(self):
         n = len(self.stages)
+        released: list[set[str]] = [set() for _ in range(n)]
+        for t in self.tensors:
+            if (reader := last_rerun_reader(t)) is not None and reader < n:
+                released[reader].add(t.name)
         for k, stage in enumerate(self.stages):
             if any(not 0 <= saving.since < k for saving in stage.input_savings):
                 raise ValueError(f"stage {stage.name} saves on inputs of stages outside 0..{k - 1}")
+            if any(not held.tensors <= released[k] for held in stage.held_inputs):
+                raise ValueError(f"stage {stage.name} counts held inputs that it does not read last: "
+                                 f"{sorted(set().union(*(h.tensors for h in stage.held_inputs)) - released[k])}")
         for t in self.tensors:
             if not 0 <= t.producer < n:
                 raise ValueError(f"tensor {t.name} has producer {t.producer} outside 0..{n - 1}")
@@ -588,6 +630,7 @@ def simulate(problem: Problem, schedule: Schedule) -> Evaluation:
             if not 0 <= r.option_of(k) < len(problem.stages[k].recompute_options):
                 raise ValueError(f"stage {k} has no option {r.option_of(k)}")
     forward = [0] * n
+    held_inputs: list[set[str]] = [set() for _ in range(n)]  # held tensors that stage k reads last, none saves
     held_start = [0] * n  # bytes held when stage k's backward starts
     held_after = [0] * n  # bytes held once stage k's backward is done
     consumed = [0] * n  # cached bytes the recomputation of the region ending at k consumes
@@ -596,6 +639,8 @@ def simulate(problem: Problem, schedule: Schedule) -> Evaluation:
         live = liveness(problem, schedule, t)
         for k in range(t.producer, live.forward_until + 1):
             forward[k] += t.nbytes
+        if (reader := last_rerun_reader(t)) is not None and (live.held_from, live.consumed_at) != (None, None):
+            held_inputs[reader].add(t.name)
         for k in range(n):
             held_start[k] += t.nbytes * live.alive_at_start(k)
             held_after[k] += t.nbytes * live.alive_after(k)
@@ -607,6 +652,7 @@ def simulate(problem: Problem, schedule: Schedule) -> Evaluation:
     events: list[MemoryEvent] = []
     for k, stage in enumerate(problem.stages):
         ws = stage.forward_workspace_of(None if owner[k] is None else schedule.regions[owner[k]].option_of(k))
+        ws = max(ws, stage.forward_workspace_bytes + stage.held_input_forward(held_inputs[k]))
         events.append(MemoryEvent(Phase.FORWARD, k, problem.fixed_bytes + forward[k] + ws, forward[k], 0, ws))
     grads = 0
     region_end = {r.stop - 1: r for r in schedule.regions}

@@ -20,14 +20,15 @@ import dataclasses
 import itertools
 import random
 
-from planner.problem import (InputSaving, Problem, RecomputeOption, Region, Schedule, Stage, TensorInfo,
+from planner.problem import (HeldInputs, InputSaving, Problem, RecomputeOption, Region, Schedule, Stage, TensorInfo,
                              last_rerun_reader, simulate)
 
 
 def _options(rng: random.Random, stage: int, forward_seconds: float, nodes: list[str],
              num_options: int, unit: int) -> tuple[RecomputeOption, ...]:
     """Option 0 recomputes everything; the others cache some nodes and, drawn apart (so that the problems the
-    other draws make stay the same), carry a recompute workspace of their own or the stage's (None)."""
+    other draws make stay the same), carry a recompute workspace of their own or the stage's (None); each may
+    need a forward workspace of its own inside a region."""
     options = [RecomputeOption("recompute_all", frozenset(), forward_seconds)]
     for o in range(1, num_options):
         cached = frozenset(rng.sample(nodes, rng.randint(1, len(nodes))))
@@ -35,7 +36,10 @@ def _options(rng: random.Random, stage: int, forward_seconds: float, nodes: list
         workspace = random.Random(f"{stage}/{o}/{seconds}/{sorted(cached)}").choice([None, 0, 3, 9, 25])
         options.append(RecomputeOption(f"cache{o}_s{stage}", cached, seconds,
                                        None if workspace is None else unit * workspace))
-    return tuple(options)
+    # the forward workspace of each option inside a region, drawn apart (None: the stage's own)
+    draws = random.Random(f"forward/{stage}/{forward_seconds}")
+    return tuple(dataclasses.replace(option, forward_bytes=None if (extra := draws.choice([None, None, 2, 12, 30]))
+                                     is None else unit * extra) for option in options)
 
 
 _STAGE_FIELDS = {f.name for f in dataclasses.fields(Stage)}
@@ -63,13 +67,16 @@ def _stage(rng: random.Random, k: int, nodes: list[str], num_options: int, unit:
 def _with_input_savings(stages: list[Stage], tensors: tuple[TensorInfo, ...], unit: int, name: str) -> list[Stage]:
     """``stages`` with what each one's re-run holds less where its region made inputs it frees (tensors of earlier
     stages it reads last, which nothing saves): per stage making some, from the latest, per option, part of what
-    its workspaces count (``costmodel.input_savings``), never less than a later start's; drawn apart."""
+    its workspaces count (``costmodel.input_savings``), never less than a later start's; and what its forward
+    needs more while something holds some of them (``Stage.held_inputs``, :func:`_held_inputs`); drawn apart."""
     if "input_savings" not in _STAGE_FIELDS:
         return stages
     makers: list[set[int]] = [set() for _ in stages]
+    released: list[list[str]] = [[] for _ in stages]
     for t in tensors:
         if (reader := last_rerun_reader(t)) is not None:
             makers[reader].add(t.producer)
+            released[reader].append(t.name)
     out = []
     for k, stage in enumerate(stages):
         rng = random.Random(f"inputs/{name}/{k}")
@@ -80,8 +87,20 @@ def _with_input_savings(stages: list[Stage], tensors: tuple[TensorInfo, ...], un
                                                             and stage.stopped_rerun_bytes is not None else [])
                 most[o] = max(most[o], min(unit * rng.choice([0, 0, 1, 3]), *room))
             savings.append(InputSaving(since, tuple(most)))
-        out.append(dataclasses.replace(stage, input_savings=tuple(s for s in savings if any(s.option_bytes))))
+        out.append(dataclasses.replace(stage, input_savings=tuple(s for s in savings if any(s.option_bytes)),
+                                       **_held_inputs(released[k], unit, f"held/{name}/{k}")))
     return out
+
+
+def _held_inputs(released: list[str], unit: int, seed: str) -> dict:
+    """A stage's ``held_inputs`` over the tensors it reads last (``released``): up to three sets of them, each
+    with what holding it adds to the forward, and the forward's over-count that holding takes back first."""
+    rng = random.Random(seed)
+    if not released or rng.random() < 0.3:
+        return {}
+    sets = [HeldInputs(frozenset(rng.sample(released, rng.randint(1, len(released)))), unit * rng.choice([1, 3, 8]))
+            for _ in range(rng.randint(1, 3))]
+    return {"held_inputs": tuple(sets), "forward_overcount_bytes": unit * rng.choice([0, 0, 2])}
 
 
 def _region_seconds(kind: str, n: int, seed: int) -> dict[str, float]:
@@ -241,3 +260,22 @@ def bn_relu_conv(blocks=1, conv_workspace=300, relu_held_input=0):
                     TensorInfo(f"conv{b}", 40, k + 2, frozenset() if last else frozenset({k + 3}),
                                frozenset({k + 2} if last else {k + 2, k + 3}), node=f"conv{b}")]
     return Problem(tuple(stages), tuple(tensors))
+
+
+def held_norm_output(held_forward=1200, layer_region_forward=None, head_saved=800):
+    """Three stages: a norm whose output ``a`` only the next stage reads and nothing saves (eager frees it inside
+    that stage), which may cache it; a layer that saves 300 bytes of its own; a head saving 800. Holding ``a``
+    through the layer's forward (a region starting there, or the norm's cache) costs it ``held_forward`` more
+    (``Stage.held_inputs``). Each region costs 0.5 s, so one region over both, the norm caching, is
+    the fastest way under the eager peak, unless the held input makes its forward too high.
+    ``layer_region_forward``: the layer's forward workspace inside a region, which covers that much of it."""
+    norm = (RecomputeOption("recompute_all", frozenset(), 5.0), RecomputeOption("cache_a", frozenset({"a"}), 0.2))
+    layer = Stage("layer", 1.0, 2.0, held_inputs=(HeldInputs(frozenset({"a"}), held_forward),),
+                  options=(RecomputeOption("recompute_all", frozenset(), 1.0, forward_bytes=layer_region_forward),))
+    stages = (Stage("norm", 5.0, 10.0, options=norm), layer, Stage("head", 1.0, 2.0))
+    tensors = (TensorInfo("a", 100, 0, frozenset({1}), node="a"),
+               TensorInfo("norm_saved", 500, 0, frozenset({0}), frozenset({0}), node="norm_saved"),
+               TensorInfo("layer_saved", 300, 1, frozenset({1}), frozenset({1}), node="layer_saved"),
+               TensorInfo("c", 10, 1, frozenset({2}), frozenset({2}), node="c"),
+               TensorInfo("head_saved", head_saved, 2, frozenset({2}), frozenset({2}), node="head_saved"))
+    return Problem(stages, tensors, region_seconds=0.5, name="held_norm_output")

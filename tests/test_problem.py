@@ -5,7 +5,7 @@ import pytest
 from planner.problem import (InputSaving, Phase, Problem, RecomputeOption, Region, Schedule, Stage, TensorInfo,
                              input_saving, liveness, simulate, without_empty_regions)
 from planner.solvers import solve
-from tests.solver_problems import bn_relu_conv
+from tests.solver_problems import bn_relu_conv, held_norm_output
 
 
 def chain(n=4, act=100, boundary=10, grads=0, fixed=1000):
@@ -236,6 +236,24 @@ def test_a_region_that_made_some_of_the_inputs_a_stage_frees_holds_only_the_othe
     assert recompute(0) == 8 + 12 + 500 - 20
     with pytest.raises(ValueError, match="saves on inputs"):
         Problem((Stage("s0", 1.0, 2.0, input_savings=saving[:1]),), ())
+
+
+def test_a_stage_needs_more_in_its_forward_while_something_holds_a_tensor_it_frees_early():
+    """The norm's output ``a`` is read last by the layer and saved by nothing: eager frees it inside the layer,
+    whose measured workspace is what is left beside it. Held through the layer (a region starting there keeps it
+    as its input; the norm's cache keeps it, the layer stored or in the norm's region), the layer's forward needs
+    ``Stage.held_inputs`` says (1200) more; made and freed inside one region, it does not."""
+    problem = held_norm_output(held_forward=1200)
+
+    def layer_forward(*regions):
+        return next(e.total_bytes for e in simulate(problem, Schedule(regions)).events
+                    if e.phase is Phase.FORWARD and e.stage == 1)
+
+    assert layer_forward() == 100 + 500 + 300 + 10  # a, what the norm and the layer save, c
+    assert layer_forward(Region(1, 2)) == 100 + 500 + 10 + 1200
+    assert layer_forward(Region(0, 1, (1,))) == 100 + 300 + 10 + 1200
+    assert layer_forward(Region(0, 2, (1, 0))) == 100 + 10 + 1200
+    assert layer_forward(Region(0, 2)) == 100 + 10
 
 
 def _with_a_residual_stage() -> Problem:

@@ -64,8 +64,8 @@ import numpy as np
 
 from ..errors import PlannerError
 from ..plan import Plan, SolverStatus, relative_gap
-from ..problem import Problem, Region, Schedule, Stage, TensorInfo, recompute_seconds, simulate, \
-    stage_recompute_seconds
+from ..problem import Problem, Region, Schedule, Stage, TensorInfo, last_rerun_reader, recompute_seconds, \
+    simulate, stage_recompute_seconds
 from .baselines import chen_sqrt, infeasible_budget_error, store_all, uniform
 from .ilp import unheld_forward_until
 
@@ -214,6 +214,11 @@ class _Tables:
     pending: dict[tuple[int, int, str], "_Pending"]  # (i, how stage i-1 ran, kind at i) -> stage i-1's tensors
     option_seconds: tuple[tuple[float, ...], ...]
     stop_skips: tuple[tuple[float, ...], ...]  # per option: what a region that caches nothing saves ending there
+    # per stage, what its forward needs more (Stage.held_input_forward, less what its option's forward workspace in
+    # a region adds anyway) by (how the stage before ran, its own option or STORED): None as the first stage of a
+    # region (which holds the tensors of the stage before that it reads last as its inputs), STORED, or an option
+    # (which may cache some of them); tensors from further back, pinned, count as held
+    held_forward: tuple[dict[tuple[int | None, int], int], ...]
     optimistic: bool = False  # round what H gains down instead of up: a relaxation, for lower bounds
 
     def units(self, nbytes):
@@ -232,11 +237,15 @@ class _Tables:
         return max((saving[option] for back, saving in self.sums[k].rerun.input_saving if k - start >= back),
                    default=0)
 
+    def held_input_forward(self, k: int, how: int | None, option: int) -> int:
+        """What stage ``k``'s forward needs more, stored (``option`` STORED) or in a region with ``option``, as the
+        first stage of a region (``how`` None) or after stage ``k-1`` ran as ``how`` (STORED or an option)."""
+        return self.held_forward[k].get((how, option), 0)
+
     def stop_skip(self, k: int, option: int) -> float:
         """What a region that caches nothing saves when it ends at stage ``k`` run with ``option`` (see
         ``Stage.stopped_seconds``; 0 for an option that caches)."""
         return self.stop_skips[k][option]
-
 
 
 def _tables(problem: Problem, unit: int, optimistic: bool = False) -> _Tables:
@@ -275,7 +284,38 @@ def _tables(problem: Problem, unit: int, optimistic: bool = False) -> _Tables:
                                      _rerun(tuple(locals_[k]), tuple(pinned[k]), stages[k], k)), unit, optimistic)
               for k in range(n)),
         pending, tuple(tuple(o.recompute_seconds for o in s.recompute_options) for s in stages),
-        tuple(tuple(s.stop_saving(o) for o in range(len(s.recompute_options))) for s in stages), optimistic)
+        tuple(tuple(s.stop_saving(o) for o in range(len(s.recompute_options))) for s in stages),
+        _held_forward(problem, optimistic), optimistic)
+
+
+def _held_forward(problem: Problem, optimistic: bool) -> tuple[dict[tuple[int | None, int], int], ...]:
+    """Per stage, what its forward needs more by how the stage before ran and its own option (see
+    ``_Tables.held_forward``, ``simulate``); a relaxation (``optimistic``) takes the least over the options of the
+    stage before."""
+    n = problem.num_stages
+    local: list[set[str]] = [set() for _ in range(n)]
+    far: list[set[str]] = [set() for _ in range(n)]
+    node_of: dict[str, str] = {}
+    for t in problem.tensors:
+        if (reader := last_rerun_reader(t)) is not None:
+            (local if _is_local(t, n) else far)[reader].add(t.name)
+            node_of[t.name] = t.node
+    tables = []
+    for k, stage in enumerate(problem.stages):
+        if not stage.held_inputs or k == 0:
+            tables.append({})
+            continue
+        options = problem.stages[k - 1].recompute_options
+        cached = [far[k] | {name for name in local[k] if node_of[name] in option.cached_nodes} for option in options]
+        by_option = [stage.held_input_forward(held) for held in cached]
+        if optimistic:
+            by_option = [min(by_option)] * len(by_option)
+        by_how = {None: stage.held_input_forward(local[k] | far[k]), STORED: stage.held_input_forward(far[k]),
+                  **dict(enumerate(by_option))}
+        own = {STORED: 0, **{o: stage.forward_extra_of(o) for o in range(len(stage.recompute_options))}}
+        tables.append({(how, o): held - extra for how, held in by_how.items() for o, extra in own.items()
+                       if held > extra})
+    return tuple(tables)
 
 
 def _quantized(sums: _StageSums, unit: int, optimistic: bool) -> _StageSums:
@@ -522,7 +562,7 @@ class _Region:
         for o in t.options(i):
             copies, future = _resolve_pinned(t, i, o, 0, ())
             start = t.start_base[i] + t.sums[i].saved_self + copies
-            forward_first = t.sums[i].forward_inner[o]
+            forward_first = t.sums[i].forward_inner[o] + t.held_input_forward(i, None, o)
             seconds = self._first_seconds(o)
             if seconds > self.open_ceiling:
                 continue
@@ -543,6 +583,7 @@ class _Region:
         after_base = t.after_base[k] + self.saved_before[p - i] + last.saved_self
         start_base = t.start_base[k] + self.saved_before[k - i] + here.saved_self
         forward_bases = [t.fwd_base[k] + here.forward_inner[o2] for o2 in t.options(k)]
+        held_forward = [[t.held_input_forward(k, o, o2) for o2 in t.options(k)] for o in t.options(p)]
         seconds = [self._seconds(k, o2) for o2 in t.options(k)]
         extra = here.next_holder_matters
         cap, budget, unit, ceiling, lean = self.cap, self.budget, t.unit, self.open_ceiling, t.optimistic
@@ -567,7 +608,7 @@ class _Region:
                     copies, future = point.copies, ()
                 else:
                     copies, future = _resolve_pinned(t, k, o2, point.copies, point.future)
-                forward = forward_base + carried
+                forward = forward_base + carried + held_forward[o][o2]
                 need_back = 0
                 if shared:
                     needs = self._shared_needs(max(point.need, forward),
@@ -608,7 +649,7 @@ class _Region:
             forward = point.need
             forward_first = point.forward_first
             if e == i:
-                forward_first = own_forward
+                forward_first = own_forward + t.held_input_forward(i, None, o)
             elif point.forward_now:
                 forward = max(forward, point.forward_now + own_forward - t.sums[e].forward_inner[o])
             if self.backward is None:
@@ -679,7 +720,8 @@ def _signature(tables: _Tables, k: int) -> tuple | None:
     Seconds are compared to 12 digits: sums of the same times in another order differ in the last bits."""
     if tables.pinned[k]:
         return None
-    return tables.sums[k], tuple(float(f"{s:.12g}") for s in (*tables.option_seconds[k], *tables.stop_skips[k]))
+    return tables.sums[k], tuple(sorted(tables.held_forward[k].items(), key=str)), \
+        tuple(float(f"{s:.12g}") for s in (*tables.option_seconds[k], *tables.stop_skips[k]))
 
 
 def _repeats(tables: _Tables) -> dict[int, _Repeat]:
@@ -810,7 +852,8 @@ def _stored_move(tables: _Tables, i: int, how: int, kind: str) -> tuple[int, int
     """(need, adds) for storing stage ``i`` followed by ``kind``; need excludes H."""
     pend = tables.pending.get((i, how, "stored"), _NOTHING)
     held = pend.own + pend.held_by_next
-    forward = tables.fwd_base[i] + held + pend.read_only + tables.sums[i].forward_stored[kind]
+    forward = tables.fwd_base[i] + held + pend.read_only + tables.sums[i].forward_stored[kind] \
+        + tables.held_input_forward(i, how, STORED)
     start = tables.start_base[i] + held + tables.sums[i].saved_self
     after = tables.after_base[i] + pend.own
     return max(forward, start, after), held
@@ -1293,9 +1336,9 @@ def chain_relaxation(problem: Problem) -> Problem:
 
     A tensor read or saved past the next stage (or returned from earlier than the last two stages) is dropped;
     the forward bytes it occupies whatever the schedule (from its producer to its last forward reader, or to the
-    end when returned) move into those stages' forward workspaces. Model outputs
-    lose their readers, which changes nothing (the caller holds them throughout). On a chain it returns
-    ``problem`` itself.
+    end when returned) move into those stages' forward workspaces, and the ``Stage.held_inputs`` sets that name it
+    go (as if it were never held). Model outputs lose their readers, which changes nothing (the caller holds them
+    throughout). On a chain it returns ``problem`` itself.
 
     >>> from planner.problem import Problem, Stage, TensorInfo
     >>> stages = tuple(Stage(f"s{i}", 1.0, 2.0) for i in range(3))
@@ -1307,11 +1350,13 @@ def chain_relaxation(problem: Problem) -> Problem:
     if problem.is_chain():
         return problem
     kept, far = _split_far(problem)
+    dropped = {t.name for t in far}
     extra = [0] * problem.num_stages
     for t in far:  # one that dies inside its stage forces nothing
         for k in range(t.producer, unheld_forward_until(problem, t) + 1):
             extra[k] += t.nbytes
-    stages = tuple(s.plus_forward_bytes(extra[k]) for k, s in enumerate(problem.stages))
+    stages = tuple(dataclasses.replace(s.plus_forward_bytes(extra[k]), held_inputs=tuple(
+        h for h in s.held_inputs if not h.tensors & dropped)) for k, s in enumerate(problem.stages))
     return dataclasses.replace(problem, stages=stages, tensors=tuple(kept), name=f"{problem.name} (chain relaxation)")
 
 
@@ -1688,9 +1733,10 @@ def chain_restriction(problem: Problem) -> Problem:
     """A chain on which every schedule peaks at least as high as on ``problem``: a plan that fits it fits
     ``problem`` (the partner of :func:`chain_relaxation`, for problems with many far-reaching tensors).
 
-    A tensor read or saved past the next stage is dropped, and counted instead as alive from its producer to the
-    end of the forward, and twice (the tensor and a recomputed copy) in every backward event from its producer
-    down; nothing holds it before its producer. On a chain it returns ``problem`` itself.
+    A tensor read or saved past the next stage is dropped, and counted instead as alive from its producer to the end
+    of the forward (its last reader's forward as when it is held: ``Stage.held_inputs``), and twice (the tensor and
+    a recomputed copy) in every backward event from its producer down; nothing holds it before its producer. On a
+    chain it returns ``problem`` itself.
 
     >>> from planner.problem import Problem, Stage, TensorInfo
     >>> stages = tuple(Stage(f"s{i}", 1.0, 2.0) for i in range(3))
@@ -1708,8 +1754,10 @@ def chain_restriction(problem: Problem) -> Problem:
         for k in range(t.producer, problem.num_stages):
             forward[k] += t.nbytes
             backward[k] += 2 * t.nbytes
+    dropped = {t.name for t in far}  # taken as held: their held-input sets hold without them
     stages = tuple(dataclasses.replace(
         s.plus_forward_bytes(forward[k]), backward_workspace_bytes=s.backward_workspace_bytes + backward[k],
+        held_inputs=tuple(dataclasses.replace(h, tensors=h.tensors - dropped) for h in s.held_inputs),
         backward_start_workspace_bytes=s.backward_start_workspace_bytes + backward[k],
         output_grad_bytes=s.output_grad_bytes + backward[k]) for k, s in enumerate(problem.stages))
     return dataclasses.replace(problem, stages=stages, tensors=tuple(kept), name=f"{problem.name} (chain restriction)")

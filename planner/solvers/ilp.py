@@ -44,16 +44,16 @@ Memory (continuous, only bounded from below, since they appear only on the left 
   ``x[j,o]``; each ``M`` is the most its bound can reach.
 
 Events (each ``<= budget``, or ``<= peak`` when minimising the peak), as ``simulate`` lists them: the forward of
-every stage; per stage from the last, the recomputation (fixed + later gradients + ``after[.,k+1]`` (``start[.,k]``
-for a cached tensor that only its own stage reads: ``rerun[k]`` counts it while it lives) + ``rerun[k]``; where
-``k`` ends no region this is at most the backward start), the backward start (fixed + later gradients
-+ ``start`` + copies) and the backward once done (fixed + gradients so far + backward workspace + ``after`` + copies
-still needed). Objective: the recompute seconds of the chosen options, ``Problem.region_seconds`` per region
-(``sum_k e[k]``), less what a region that caches nothing skips by stopping early in its last stage ``k``
-(``Stage.stopped_seconds``: ``stops[k] <= e[k]``, ``stops[k] <= 1 - caches[k]``, rewarded), and
-``Problem.caching_region_seconds`` per region that caches (``caching_end[k] >= e[k] + caches[k] - 1``). Tensors
-with identical rules are summed into one group, and tensors whose liveness no decision changes (model outputs, tensors
-nothing can hold) are constants.
+every stage (with ``held_inputs[k]``: :meth:`Encoding._held_inputs`); per stage from the last, the recomputation
+(fixed + later gradients + ``after[.,k+1]`` (``start[.,k]`` for a cached tensor that only its own stage reads:
+``rerun[k]`` counts it while it lives) + ``rerun[k]``; where ``k`` ends no region this is at most the backward
+start), the backward start (fixed + later gradients + ``start`` + copies) and the backward once done (fixed +
+gradients so far + backward workspace + ``after`` + copies still needed). Objective: the recompute seconds of the
+chosen options, ``Problem.region_seconds`` per region (``sum_k e[k]``), less what a region that caches nothing skips
+by stopping early in its last stage ``k`` (``Stage.stopped_seconds``: ``stops[k] <= e[k]``, ``stops[k] <= 1 -
+caches[k]``, rewarded), and ``Problem.caching_region_seconds`` per region that caches (``caching_end[k] >= e[k] +
+caches[k] - 1``). Tensors with identical rules are summed into one group, and tensors whose liveness no decision
+changes (model outputs, tensors nothing can hold) are constants.
 
 :func:`encoded_peak` evaluates this encoding on a given schedule without a solver; the tests check it equals
 ``simulate`` on random schedules, and :func:`solve_ilp` checks it on every solution.
@@ -120,14 +120,17 @@ def unheld_forward_until(problem: Problem, tensor: TensorInfo) -> int:
     return liveness(problem, Schedule(), alone).forward_until
 
 
+def _group_key(problem: Problem, t: TensorInfo) -> tuple:
+    options = problem.stages[t.producer].recompute_options
+    caching = frozenset(o for o, option in enumerate(options) if t.node in option.cached_nodes)
+    return t.producer, t.consumers, t.savers, caching, t.is_output, t.returned, unheld_forward_until(problem, t)
+
+
 def group_tensors(problem: Problem) -> tuple[TensorGroup, ...]:
     """Sum tensors that share producer, readers, savers, caching options and output flags."""
     sizes: dict[tuple, int] = defaultdict(int)
     for t in problem.tensors:
-        options = problem.stages[t.producer].recompute_options
-        caching = frozenset(o for o, option in enumerate(options) if t.node in option.cached_nodes)
-        key = (t.producer, t.consumers, t.savers, caching, t.is_output, t.returned, unheld_forward_until(problem, t))
-        sizes[key] += t.nbytes
+        sizes[_group_key(problem, t)] += t.nbytes
     return tuple(TensorGroup(p, c, s, o, out, returned, until, nbytes)
                  for (p, c, s, o, out, returned, until), nbytes in sorted(sizes.items(), key=lambda kv: kv[0][0]))
 
@@ -191,6 +194,7 @@ class _EventTerms:
         self.start: list[list] = [[] for _ in range(n)]
         self.after: list[list] = [[] for _ in range(n)]
         self.recompute: list[list] = [[] for _ in range(n)]  # alive at the start, or consumed by this recomputation
+        self.held: dict[int, pulp.LpVariable] = {}  # held[g] by group index, where something can hold it
 
 
 class Encoding:
@@ -213,6 +217,9 @@ class Encoding:
             self.model += self.share[k] <= self.recomputed(k), f"share_left_{k}"
             self.model += self.share[k] <= self.recomputed(k + 1), f"share_right_{k}"
         self.groups = group_tensors(problem)
+        index = {(g.producer, g.consumers, g.savers, g.caching_options, g.is_output, g.returned,
+                  g.unheld_forward_until): i for i, g in enumerate(self.groups)}
+        self.group_of = {t.name: index[_group_key(problem, t)] for t in problem.tensors}  # tensor name -> group
         self.caches: list = []  # caches[k]: whether k's region caches, up to k (set with the re-run peaks)
         self._stops: dict[int, pulp.LpVariable] = {}
         self.events = self._events()
@@ -489,6 +496,8 @@ class Encoding:
                 extra = stage.forward_extra_of(o)
                 if extra:
                     terms.forward[k].append(extra * self.choose[k][o])
+            if (held_inputs := self._held_inputs(k, terms.held)) is not None:
+                terms.forward[k].append(held_inputs)
         events = [Event(Phase.FORWARD, k, pulp.lpSum(terms.forward[k])) for k in range(n)]
         fixed, later_grads = problem.fixed_bytes, 0
         for k in reversed(range(n)):
@@ -501,6 +510,24 @@ class Encoding:
             events.append(Event(Phase.BACKWARD, k, fixed + later_grads + stage.backward_workspace_bytes
                                 + pulp.lpSum(terms.after[k] + copies_after[k])))
         return tuple(events)
+
+    def _held_inputs(self, k: int, held: dict[int, pulp.LpVariable]) -> pulp.LpVariable | None:
+        """What stage ``k``'s forward needs more while tensors it reads last and nothing saves are held
+        (:meth:`~planner.problem.Stage.held_input_forward`, less what its option's forward workspace in a region
+        adds anyway): at least, for each ``HeldInputs`` set and each way to run ``k`` (stored, or an option), that
+        times ``sum(held[g]) - (m - 1) + x - 1`` over the ``m`` groups of the set's tensors, ``x`` the way's
+        indicator; None when no set can add anything."""
+        stage, bounds = self.problem.stages[k], []
+        ways = [(0, 1 - self.recomputed(k))] + [(stage.forward_extra_of(o), x) for o, x in enumerate(self.choose[k])]
+        for entry in stage.held_inputs:
+            extra = stage.held_input_forward(entry.tensors)
+            groups = {self.group_of[name] for name in entry.tensors}
+            if not all(g in held for g in groups):  # one of them is never held
+                continue
+            for covered, chosen in ways:
+                if extra > covered:
+                    bounds.append((extra - covered) * (pulp.lpSum(held[g] for g in groups) - len(groups) + chosen))
+        return self.at_least(f"held_inputs_{k}", bounds) if bounds else None
 
     def _add_group(self, index: int, g: TensorGroup, terms: "_EventTerms") -> None:
         n, p, size = self.problem.num_stages, g.producer, g.nbytes
@@ -520,6 +547,7 @@ class Encoding:
             return
         for k in beyond:
             terms.forward[k].append(size * live.held_at_all)
+        terms.held[index] = live.held_at_all
         consumed_inside = g.caching_options and not keeps(g)  # see rerun[k]
         for k in range(n):
             for bucket, var in ((terms.start, live.start_at(k)), (terms.after, live.after_at(k)),
