@@ -25,18 +25,18 @@ carries. The rules, for a tensor ``t`` produced by stage ``p``:
   recomputed copies still needed by earlier stages of its region) plus a measured *backward workspace* (its own
   saved tensors not yet freed, activation gradients, temporaries), or as everything alive when it starts plus a
   measured *backward-start workspace*, whichever of the two moments is higher;
-* recomputation: when the backward reaches the last stage ``b`` of a region, the region re-runs its stages in
-  order and every tensor they save is materialised again (a second copy if the original is still held elsewhere,
-  no copy if cached); each copy lives until the backward of the first stage in the region that saves it. While
-  stage ``j`` of the region re-runs, alive are what is alive when ``b``'s backward starts, the caches not yet
-  consumed (a cached tensor that no stage saves and no later stage reads is consumed by its own stage's re-run),
-  the activation gradients sent back past ``b`` (``Stage.output_grad_bytes``), what the region's earlier stages
-  *keep* (their tensors that are saved, read by a later stage or model outputs, unless cached; one that nothing
-  saves and only stages of the region read dies once the last of them has re-run: :func:`last_rerun_reader`) and
-  ``j``'s own working set: what it keeps plus its *recompute workspace* with its option (which holds the inputs
-  ``j`` frees as a region holds its inputs; less what those of them that the region made itself free again:
-  ``Stage.input_savings``, :func:`input_saving`). A region that caches nothing stops after its last stage's
-  last saving op, so that stage's working set is what its re-run has made by then and still holds
+* recomputation: when the backward reaches the last stage ``b`` of a region, the region re-runs its stages in order
+  and every tensor they save is materialised again (a second copy if the original is still held elsewhere, no copy
+  if cached); each copy lives until the backward of the first stage in the region that saves it. While stage ``j``
+  of the region re-runs, alive are what is alive when ``b``'s backward starts, the caches not yet consumed (a cached
+  tensor that no stage saves is gone once its last reader, or its own stage, has re-run, if the region holds it no
+  longer: :func:`cached_dies_with`), the activation gradients sent back past ``b`` (``Stage.output_grad_bytes``),
+  what the region's earlier stages *keep* (their tensors that are saved, read by a later stage or model outputs,
+  unless cached; one that nothing saves and only stages of the region read dies once the last of them has re-run:
+  :func:`last_rerun_reader`) and ``j``'s own working set: what it keeps plus its *recompute workspace* with its
+  option (which holds the inputs ``j`` frees as a region holds its inputs; less what those of them that the region
+  made itself free again: ``Stage.input_savings``, :func:`input_saving`). A region that caches nothing stops after
+  its last stage's last saving op, so that stage's working set is what its re-run has made by then and still holds
   (:meth:`Stage.stopped_rerun`); a region that caches runs to its end;
 * gradients of parameters appear during the backward of the stage that uses them last and stay.
 
@@ -552,7 +552,7 @@ class _Rerun:
     """What the re-run of each recomputed stage leaves alive, by stage: see :func:`_recompute_peak`."""
 
     kept: list[int]  # kept tensors (not cached)
-    consumed_inside: list[int]  # cached tensors that only the stage itself reads: consumed by its own re-run
+    consumed_inside: list[int]  # cached tensors that nothing saves, gone once the stage has re-run
     saved_self: list[int]  # tensors it saves itself (not cached): what it keeps when its region stops early
     freed_after: list[int]  # kept tensors of earlier stages of its region that its re-run reads last (they die)
 
@@ -572,6 +572,19 @@ def input_saving(problem: Problem, region: Region, j: int) -> int:
     return max((s.of(option) for s in problem.stages[j].input_savings if region.start <= s.since), default=0)
 
 
+def cached_dies_with(tensor: TensorInfo, region: Region) -> int:
+    """The stage of ``region`` after whose re-run a cached ``tensor`` that nothing saves is gone: its last reader,
+    or its producer when none reads it later; the region's last stage when a stage after the region reads it (the
+    region returns it, so its re-run holds it to the end). The re-run takes it from the cache, and what nothing
+    saves dies after its last reader, as in the eager step.
+
+    >>> q = TensorInfo("q", 100, producer=1, consumers=frozenset({2}))
+    >>> cached_dies_with(q, Region(1, 4)), cached_dies_with(q, Region(0, 2))
+    (2, 1)
+    """
+    return min(max(tensor.consumers | {tensor.producer}), region.stop - 1)
+
+
 def _rerun_bytes(problem: Problem, schedule: Schedule) -> _Rerun:
     n = problem.num_stages
     rerun = _Rerun([0] * n, [0] * n, [0] * n, [0] * n)
@@ -580,7 +593,8 @@ def _rerun_bytes(problem: Problem, schedule: Schedule) -> _Rerun:
         if owner[t.producer] is None:
             continue
         if t.node in _stage_cached(problem, schedule, t.producer):
-            rerun.consumed_inside[t.producer] += 0 if keeps(t) else t.nbytes
+            if not (t.savers or t.is_output or t.returned):  # the re-run takes it from the cache and drops it
+                rerun.consumed_inside[cached_dies_with(t, schedule.regions[owner[t.producer]])] += t.nbytes
             continue
         rerun.kept[t.producer] += t.nbytes if keeps(t) else 0
         rerun.saved_self[t.producer] += t.nbytes if t.producer in t.savers else 0

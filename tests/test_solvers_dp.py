@@ -20,7 +20,9 @@ from planner.solvers.ilp import solve_ilp
 from tests.solver_problems import (bn_relu_conv, brute_force_best, brute_force_table, held_norm_output, layered_chain,
                                    random_chain, random_dag, random_schedule)
 
-CHAINS = [(4, 0, 2), (4, 3, 2), (4, 9, 3), (5, 1, 2), (5, 4, 3), (5, 12, 2)]
+# (5, 6, 2): a cached tensor that only the next stage reads and nothing saves is gone once that stage has
+# re-run (problem.cached_dies_with); counted to the region's end, the program missed the best plan at 4 budgets
+CHAINS = [(4, 0, 2), (4, 3, 2), (4, 9, 3), (5, 1, 2), (5, 4, 3), (5, 12, 2), (5, 6, 2)]
 
 
 @pytest.mark.parametrize("n,seed,options", CHAINS)

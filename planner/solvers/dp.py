@@ -168,7 +168,9 @@ def _rerun(tensors: tuple[_Local, ...], pinned: tuple[_Pinned, ...], stage: Stag
         saved = sum(t.nbytes for t in tensors if o not in t.caching and t.saved_self) \
             + sum(x.nbytes for x in pinned if o not in x.caching and x.first_saver == k)
         consumed = sum(t.nbytes for t in tensors if o in t.caching and not t.keeps)
-        freed_next = sum(t.nbytes for t in tensors if o not in t.caching and t.freed_by_next)
+        # what the next stage's re-run frees: read last by it, saved by none (a cached one, counted among the
+        # caches until then, off the caches after it: problem.cached_dies_with)
+        freed_next = sum(t.nbytes for t in tensors if t.freed_by_next)
         workspace = stage.recompute_workspace_of(o)
         through.append(kept + workspace)
         stopped.append(stage.stopped_rerun(o, kept, saved))

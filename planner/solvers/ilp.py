@@ -31,7 +31,9 @@ Memory (continuous, only bounded from below, since they appear only on the left 
   ``kept_before[j] >= kept_before[j-1] + kept(j-1) - freed(j-1) - M (1 - s[j-1])`` (what the region's stages
   before ``j`` keep, less what the re-runs up to ``j-1`` read last and free: ``freed(j-1)`` sums each such group's
   ``freed[g] <= w[p,j-1]``, ``<= 1 - c[g]``, at most 1); ``inside_from[j] >= inside(j) + inside_from[j+1]
-  - M (1 - s[j])`` (caches that the re-runs of ``j`` and the later stages of its region consume themselves);
+  - M (1 - s[j])`` (caches that the re-runs of ``j`` and the later stages of its region consume themselves, and
+  those of earlier stages that nothing saves and no stage of the region after them reads: ``dies[g,j]``,
+  :meth:`Encoding._cached_dying`);
   ``through[j] >= kept_before[j] + kept(j) + workspace(j) + inside_from[j] - saving(j)`` (the moment ``j``
   re-runs, when the re-run goes on past it; ``saving(j)`` sums, over ``j``'s options ``o`` and its
   ``Stage.input_savings`` from the latest ``since``, what each adds to the ones before times
@@ -410,14 +412,35 @@ class Encoding:
             kept_before.append(self._at_least_or_zero(f"kept_before_{j}", bounds))
         return kept_before, most
 
+    def _cached_dying(self) -> tuple[list[list], list[int]]:
+        """Per stage ``j``, the caches of its region's earlier stages (or its own) that nothing saves and that are
+        gone once ``j`` has re-run (:func:`~planner.problem.cached_dies_with`): at the last reader ``m`` of group
+        ``g``, ``dies[g,m] >= c[g] + w[p,m] - 1``, or, where the region ends first, at its end ``e``:
+        ``dies[g,e] >= c[g] + w[p,e] + end[e] - 2``; and the most each stage's can be."""
+        n = self.problem.num_stages
+        terms: list[list] = [[] for _ in range(n)]
+        most = [0] * n
+        for index, g in enumerate(self.groups):
+            last = max(g.consumers | {g.producer})
+            if not g.caching_options or last == g.producer or g.savers or g.is_output or g.returned:
+                continue  # read by no later stage: its own stage's re-run consumes it (inside(j))
+            p, cached = g.producer, self.cached(g)
+            for e in range(p, last + 1):
+                bound = cached + self.same_region(p, e) - 1 - (0 if e == last else 1 - self.region_end(e))
+                terms[e].append(g.nbytes * self.at_least(f"dies_{index}_{e}", [bound]))
+                most[e] += g.nbytes
+        return terms, most
+
     def _inside_from(self, reruns: list[_StageRerun]) -> tuple[list, list[int]]:
         """``inside_from[j]``: the caches that the re-runs of ``j`` and the later stages of its region consume
-        themselves; and the most it can be."""
+        themselves, or after which nothing in the region reads them (:meth:`_cached_dying`); and the most it can
+        be."""
         n = len(reruns)
-        most = [sum(max(r.inside) for r in reruns[j:]) for j in range(n + 1)]
+        dying, most_dying = self._cached_dying()
+        most = [sum(max(r.inside) + d for r, d in zip(reruns[j:], most_dying[j:])) for j in range(n + 1)]
         inside_from: list = [0] * (n + 1)
         for j in reversed(range(n)):
-            own = self._over_options(j, reruns[j].inside)
+            own = self._over_options(j, reruns[j].inside) + pulp.lpSum(dying[j])
             bounds = [own]
             if j + 1 < n and most[j + 1]:
                 bounds.append(own + inside_from[j + 1] - most[j] * (1 - self.share[j]))
@@ -548,7 +571,7 @@ class Encoding:
         for k in beyond:
             terms.forward[k].append(size * live.held_at_all)
         terms.held[index] = live.held_at_all
-        consumed_inside = g.caching_options and not keeps(g)  # see rerun[k]
+        consumed_inside = g.caching_options and not (g.savers or g.is_output or g.returned)  # see rerun[k]
         for k in range(n):
             for bucket, var in ((terms.start, live.start_at(k)), (terms.after, live.after_at(k)),
                                 (terms.recompute, live.start_at(k) if consumed_inside else live.after_at(k + 1))):
