@@ -205,9 +205,12 @@ def _replanned(monkeypatch, peak_shares):
 
 def test_a_compiled_plan_is_planned_again_for_what_its_overshoot_leaves(monkeypatch):
     """Compiled plans peak 10% above their prediction: the first overshoots, and is planned again for the budget
-    over 1.1 (what it was predicted to use, less by the overshoot), whose plan is kept once it fits."""
+    over 1.1 (what it was predicted to use, less by the overshoot, and by at least 1%: a first plan predicted within
+    1% of the budget over 1.1, as the profile's timings may choose, overshoots by less), whose plan is kept once it
+    fits."""
     row, solved, predicted, budget, _ = _replanned(monkeypatch, lambda peak, least, budget: 1.1 * peak / budget)
-    assert solved[:2] == [budget, int(predicted[0] * budget / int(budget * 1.1 * predicted[0] / budget))]
+    overshoot = int(budget * 1.1 * predicted[0] / budget)
+    assert solved[:2] == [budget, int(predicted[0] * min(budget / overshoot, 0.99))]
     assert row.peak_bytes <= budget and row.peak_bytes == int(1.1 * max(p for p in predicted if 1.1 * p <= budget))
 
 
