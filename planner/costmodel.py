@@ -483,34 +483,6 @@ def build_problem(profile: GraphProfile, stages: Sequence[StageSpec], *, random_
                                      made, lambda key, k: last_use.get(key, -1) > k or key in profile.output_keys)
 
 
-def held_input_excess(nodes: Sequence[NodeProfile], inputs: dict[int, int], outlives: Callable[[int], bool]) -> int:
-    """What the forward of a stage (its ``nodes``, in order) holds more at its busiest when ``inputs`` (storages of
-    earlier stages it reads last, by key, with their bytes) stay alive throughout it, as a checkpoint region's
-    inputs do, than when each dies after its last reader, as in the eager step: the calibrated forward workspace
-    already has them where they are alive at the stage's busiest moment. Replayed node by node
-    (:func:`replayed_recompute_peak`'s rules, nothing cached).
-
-    A ReLU reading a BatchNorm's output makes its own output while the input is alive: nothing more (ResNet's
-    sublayer re-runs were one feature map over when all of the input was added). T5's cross-attention bias, read
-    at the start of each decoder block, is freed before the attention's peak in the last one: all of it.
-
-    >>> from planner.profile import StorageRecord
-    >>> def node(name, made, reads=()):
-    ...     records = tuple(StorageRecord(key, size, True) for key, size in made)
-    ...     return NodeProfile(name, "", 1.0, 0, records, frozenset(reads), frozenset(), frozenset(), False)
-    >>> held_input_excess([node("relu", [(2, 100)], {1})], {1: 100}, lambda key: key == 2)
-    0
-    >>> held_input_excess([node("add", [(2, 10)], {1}), node("attention", [(3, 500)], {2})], {1: 48},
-    ...                   lambda key: key == 3)
-    48
-    """
-    if not inputs:
-        return 0
-    alive = _replayed_alive(nodes, frozenset(), outlives)
-    last_reader = {key: i for i, n in enumerate(nodes) for key in n.reads if key in inputs}
-    return _held_peak(alive, last_reader, inputs, inputs.keys()) - _held_peak(alive, last_reader, inputs, set())
-
-
 def _crossing_gradient_bytes(profile: GraphProfile, stage_of: dict[str, int], readers: dict[int, set[int]],
                              pass_through: AbstractSet[str] = frozenset()) -> Counter:
     """Per stage ``k``: bytes of the activation gradients alive when its backward starts, before it runs: those of
@@ -549,9 +521,9 @@ def _with_replayed_workspaces(problem: Problem, stage_nodes: Sequence[Sequence[N
     (see :func:`caching_workspace`), the forward workspace of every option inside a region
     (:func:`checkpointed_forward_peak`), a re-run's working set when its region stops early after it
     (:func:`stopped_rerun_peak`), and what holding the storages each stage frees (``released[k]``, by key, with
-    their bytes; ``made[key]``: its tensor) adds to it, per set of them that can be held apart
-    (:func:`held_input_sets`), and how much of that is not there when its region made some of them
-    (:func:`held_input_excess`, :func:`input_savings`). ``outlives(key, k)``: whether a
+    their bytes; ``made[key]``: its tensor) adds to it, per set of them that can be held apart and all of them
+    held (:func:`held_input_sets`), and how much of that is not there when its region made some of them
+    (:func:`input_savings`). ``outlives(key, k)``: whether a
     storage of stage ``k`` is read or saved by a later stage, or is an output. Options that cache nothing keep the
     calibrated forward workspace: a region that caches nothing stops its re-run early, and until then repeats the
     eager forward."""
@@ -566,13 +538,13 @@ def _with_replayed_workspaces(problem: Problem, stage_nodes: Sequence[Sequence[N
             o, forward_bytes=checkpointed_forward_peak(nodes, o.cached_nodes, outlives_k),
             workspace_bytes=caching_workspace(nodes, own[k], o.cached_nodes, outlives_k) if o.cached_nodes else None)
             for o in stage.recompute_options)
-        held = held_input_excess(nodes, released[k], outlives_k)
+        held = held_input_sets(nodes, released[k], made, outlives_k)
         made_by = {key: made[key].producer for key in released[k]}
         savings = input_savings(nodes, [o.cached_nodes for o in stage.recompute_options], released[k], made_by,
                                 outlives_k)
         stage = dataclasses.replace(stage, stopped_rerun_bytes=stopped_rerun_peak(nodes, outlives_k),
-                                    held_input_bytes=held, input_savings=savings,
-                                    held_inputs=held_input_sets(nodes, released[k], made, outlives_k))
+                                    held_input_bytes=max((h.excess_bytes for h in held), default=0),
+                                    held_inputs=held, input_savings=savings)
         stages.append(dataclasses.replace(stage, options=options) if stage.options else stage)
     return dataclasses.replace(problem, stages=tuple(stages))
 
@@ -653,16 +625,30 @@ HELD_INPUT_GROUPS = 4  # sets of held inputs told apart per stage (every union o
 
 def held_input_sets(nodes: Sequence[NodeProfile], inputs: dict[int, int], made: dict[int, TensorInfo],
                     outlives: Callable[[int], bool]) -> tuple[HeldInputs, ...]:
-    """What a stage's replayed forward peak (its ``nodes``) rises by while some of its ``inputs`` (storages of
-    earlier stages it reads last and nothing saves, by key, with their bytes; ``made[key]``: each one's tensor)
-    are held through it, for every union of the groups that are held or not together (same producer, readers and
-    node: the same region input, the same cache); over ``HELD_INPUT_GROUPS`` groups, what holding them all adds
-    for each group alone. Only the sets that add more than every set within them.
+    """What a stage's replayed forward peak (its ``nodes``, replayed node by node, nothing cached) rises by while
+    some of its ``inputs`` (storages of earlier stages it reads last and nothing saves, by key, with their bytes;
+    ``made[key]``: each one's tensor) stay alive throughout it, as a checkpoint region's inputs or a cache keep
+    them, over when each dies after its last reader, as in the eager step: the calibrated forward workspace
+    already has them where they are alive at the stage's busiest moment. For every union of the groups that are
+    held or not together (same producer, readers and node: the same region input, the same cache); over
+    ``HELD_INPUT_GROUPS`` groups, what holding them all adds for each group alone. Only the sets that add more
+    than every set within them: the most any adds is what holding all of them adds (``Stage.held_input_bytes``).
+
+    A ReLU reading a BatchNorm's output makes its own output while the input is alive: nothing more (ResNet's
+    sublayer re-runs were one feature map over when all of the input was added). T5's cross-attention bias, read
+    at the start of each decoder block, is freed before the attention's peak in the last one: all of it.
 
     >>> from planner.profile import StorageRecord
     >>> def node(name, made, reads=()):
     ...     records = tuple(StorageRecord(key, size, True) for key, size in made)
     ...     return NodeProfile(name, "", 1.0, 0, records, frozenset(reads), frozenset(), frozenset(), False)
+    >>> bn = {1: TensorInfo("bn", 100, 0, frozenset({1}))}
+    >>> held_input_sets([node("relu", [(2, 100)], {1})], {1: 100}, bn, lambda key: key == 2)
+    ()
+    >>> bias = {1: TensorInfo("bias", 48, 0, frozenset({1}))}
+    >>> held_input_sets([node("add", [(2, 10)], {1}), node("attention", [(3, 500)], {2})], {1: 48}, bias,
+    ...                 lambda key: key == 3)
+    (HeldInputs(tensors=frozenset({'bias'}), excess_bytes=48),)
     >>> stage = [node("add", [(3, 50)], {1}), node("softmax", [(4, 400)], {2, 3})]   # frees 1, then 2
     >>> made = {1: TensorInfo("bias", 100, 0, frozenset({2})), 2: TensorInfo("mask", 10, 1, frozenset({2}))}
     >>> sets = held_input_sets(stage, {1: 100, 2: 10}, made, lambda key: key == 4)
@@ -896,7 +882,7 @@ def _stages_making_outputs(profile: GraphProfile, stage_of: dict[str, int]) -> s
 def calibrate(problem: Problem, measured: StageMeasurement) -> Problem:
     """Set workspaces and backward times so that the model reproduces the measured eager step stage by stage. A stage's
     recompute workspace is its forward workspace and what the eager step frees inside it that a region may hold
-    through its re-run adds to it (``Stage.held_input_bytes``, :func:`held_input_excess`; where unknown, all of it:
+    through its re-run adds to it (``Stage.held_input_bytes``, :func:`held_input_sets`; where unknown, all of it:
     :func:`_released_in_reader`). Where the model counts more in a stage's forward than its measured peak (those
     inputs, counted all through it), the forward workspace is 0 and the difference is the forward's over-count,
     which holding those inputs takes back first (``Stage.forward_overcount_bytes``,

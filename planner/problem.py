@@ -528,6 +528,14 @@ def keeps(tensor: TensorInfo) -> bool:
     return bool(tensor.savers or tensor.consumers - {tensor.producer} or tensor.is_output or tensor.returned)
 
 
+def dies_after_readers(tensor: TensorInfo) -> bool:
+    """Whether a copy of ``tensor`` that a re-run makes, or takes from a cache, dies after its last reader:
+    nothing saves it and it is no model output, held by the caller or only returned (a region returns the model
+    outputs it makes). Anything with a ``TensorInfo``'s ``savers``, ``is_output`` and ``returned`` will do (the
+    ILP's tensor groups)."""
+    return not (tensor.savers or tensor.is_output or tensor.returned)
+
+
 def last_rerun_reader(tensor: TensorInfo) -> int | None:
     """The stage after whose re-run a recomputed copy of ``tensor`` dies, when that stage is in its producer's
     region: the last later stage that reads it, when nothing saves it and it is no model output (None otherwise:
@@ -542,7 +550,7 @@ def last_rerun_reader(tensor: TensorInfo) -> int | None:
     >>> last_rerun_reader(TensorInfo("encoder_out", 100, producer=2, consumers=frozenset({3}), returned=True)) is None
     True
     """
-    if tensor.savers or tensor.is_output or tensor.returned or not tensor.consumers - {tensor.producer}:
+    if not dies_after_readers(tensor) or not tensor.consumers - {tensor.producer}:
         return None
     return max(tensor.consumers)
 
@@ -593,7 +601,7 @@ def _rerun_bytes(problem: Problem, schedule: Schedule) -> _Rerun:
         if owner[t.producer] is None:
             continue
         if t.node in _stage_cached(problem, schedule, t.producer):
-            if not (t.savers or t.is_output or t.returned):  # the re-run takes it from the cache and drops it
+            if dies_after_readers(t):  # the re-run takes it from the cache and drops it
                 rerun.consumed_inside[cached_dies_with(t, schedule.regions[owner[t.producer]])] += t.nbytes
             continue
         rerun.kept[t.producer] += t.nbytes if keeps(t) else 0

@@ -222,6 +222,14 @@ ARCHITECTURES = {  # default configs otherwise: dropout on where the model has i
 }
 
 
+def _planned_peak(captured, posed, plan, run) -> int:
+    """The measured peak (live storages) of one training step of ``plan``'s module on the captured inputs."""
+    from planner.api import planned_module
+
+    return training_step(planned_module(captured, plan, posed.stage_nodes), run,
+                         list(captured.example_kwargs.values()), owner=captured.graph_module).peak_bytes
+
+
 @pytest.mark.parametrize("name,granularity", [(name, "block") for name in ARCHITECTURES] + [("t5", "sublayer")],
                          ids=[*ARCHITECTURES, "t5-sublayer"])
 def test_hugging_face_architectures_train_exactly_at_their_smallest_peak(name, granularity):
@@ -263,7 +271,7 @@ def test_a_region_holding_what_eager_frees_inside_its_last_reader_is_predicted_f
     workspace is what it needs without it, while a region starting there holds it (an input the checkpoint keeps)
     through its re-run. With the last block's cross-attention and MLP in one region, the MLP caching the most, the
     step measured 34,816 bytes over its prediction until the recompute workspace counted it back."""
-    from planner.api import capture_for, planned_module, pose
+    from planner.api import capture_for, pose
     from planner.plan import Plan, SolverStatus
     from planner.problem import Region, Schedule
 
@@ -277,8 +285,7 @@ def test_a_region_holding_what_eager_frees_inside_its_last_reader_is_predicted_f
     plan = Plan.from_schedule(problem, Schedule((Region(cross, mlp + 1, (0, most)),)), solver="test",
                               status=SolverStatus.HEURISTIC)
     run = lambda m: m(**captured.example_kwargs)["loss"]  # noqa: E731
-    measured = training_step(planned_module(captured, plan, posed.stage_nodes), run,
-                             list(captured.example_kwargs.values()), owner=captured.graph_module).peak_bytes
+    measured = _planned_peak(captured, posed, plan, run)
     assert measured <= plan.predicted_peak_bytes <= 1.03 * measured, (plan.predicted_peak_bytes, measured)
 
 
@@ -318,7 +325,7 @@ def test_a_cache_nothing_saves_is_gone_once_its_last_reader_in_the_region_has_re
     the residual add of the next stage and saved by nothing: the re-run takes it from the cache, and it dies after
     that add, as in the eager step. Counted through the whole re-run, the step measured 24,576 bytes under its
     prediction (``problem.cached_dies_with``)."""
-    from planner.api import capture_for, planned_module, pose
+    from planner.api import capture_for, pose
     from planner.plan import Plan, SolverStatus
     from planner.problem import Region, Schedule
 
@@ -333,8 +340,7 @@ def test_a_cache_nothing_saves_is_gone_once_its_last_reader_in_the_region_has_re
     schedule = Schedule((Region(start, last + 1, (most,) + (0,) * (last - start)),))
     plan = Plan.from_schedule(problem, schedule, solver="test", status=SolverStatus.HEURISTIC)
     run = lambda m: m(**captured.example_kwargs)["loss"]  # noqa: E731
-    measured = training_step(planned_module(captured, plan, posed.stage_nodes), run,
-                             list(captured.example_kwargs.values()), owner=captured.graph_module).peak_bytes
+    measured = _planned_peak(captured, posed, plan, run)
     assert abs(measured - plan.predicted_peak_bytes) <= 64, (measured, plan.predicted_peak_bytes)
 
 
@@ -430,7 +436,6 @@ def test_regions_of_encoder_decoders_under_autocast_measure_their_prediction(nam
     its end (32,768 bytes over the prediction while the model let it die in the decoder's first block). The last
     decoder block frees biases made by the first and a mask made by the encoder: a region from the first decoder
     block made only the biases, and credited nothing for them (T5: 24-61 KB over; BART: up to 24.5 KB over)."""
-    from planner.api import planned_module
     from planner.plan import Plan, SolverStatus
     from planner.problem import Region, Schedule
 
@@ -448,8 +453,7 @@ def test_regions_of_encoder_decoders_under_autocast_measure_their_prediction(nam
             out = module(**captured.example_kwargs)
         return out["loss"]
 
-    measured = training_step(planned_module(captured, plan, posed.stage_nodes), run,
-                             list(captured.example_kwargs.values()), owner=captured.graph_module).peak_bytes
+    measured = _planned_peak(captured, posed, plan, run)
     assert abs(measured - plan.predicted_peak_bytes) <= 64, (measured, plan.predicted_peak_bytes)
 
 

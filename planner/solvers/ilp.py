@@ -89,8 +89,8 @@ import pulp
 
 from ..errors import PlannerError
 from ..plan import Plan, SolverStatus, relative_gap
-from ..problem import (Phase, Problem, Region, Schedule, TensorInfo, keeps, last_rerun_reader, liveness,
-                       recompute_seconds, simulate)
+from ..problem import (Phase, Problem, Region, Schedule, TensorInfo, dies_after_readers, keeps, last_rerun_reader,
+                       liveness, recompute_seconds, simulate)
 from .baselines import chen_sqrt, fewest_blocks, infeasible_budget_error, store_all, uniform
 
 Expr = pulp.LpAffineExpression
@@ -128,13 +128,20 @@ def _group_key(problem: Problem, t: TensorInfo) -> tuple:
     return t.producer, t.consumers, t.savers, caching, t.is_output, t.returned, unheld_forward_until(problem, t)
 
 
-def group_tensors(problem: Problem) -> tuple[TensorGroup, ...]:
-    """Sum tensors that share producer, readers, savers, caching options and output flags."""
+def _grouping(problem: Problem) -> tuple[tuple[TensorGroup, ...], dict[str, int]]:
+    """The tensor groups in producer order, and each tensor's group (by name: index)."""
+    key_of = {t.name: _group_key(problem, t) for t in problem.tensors}
     sizes: dict[tuple, int] = defaultdict(int)
     for t in problem.tensors:
-        sizes[_group_key(problem, t)] += t.nbytes
-    return tuple(TensorGroup(p, c, s, o, out, returned, until, nbytes)
-                 for (p, c, s, o, out, returned, until), nbytes in sorted(sizes.items(), key=lambda kv: kv[0][0]))
+        sizes[key_of[t.name]] += t.nbytes
+    ordered = sorted(sizes.items(), key=lambda kv: kv[0][0])
+    index = {key: i for i, (key, _) in enumerate(ordered)}
+    return tuple(TensorGroup(*key, nbytes) for key, nbytes in ordered), {n: index[k] for n, k in key_of.items()}
+
+
+def group_tensors(problem: Problem) -> tuple[TensorGroup, ...]:
+    """Sum tensors that share producer, readers, savers, caching options and output flags."""
+    return _grouping(problem)[0]
 
 
 @dataclass(frozen=True)
@@ -218,10 +225,7 @@ class Encoding:
         for k in range(n - 1):
             self.model += self.share[k] <= self.recomputed(k), f"share_left_{k}"
             self.model += self.share[k] <= self.recomputed(k + 1), f"share_right_{k}"
-        self.groups = group_tensors(problem)
-        index = {(g.producer, g.consumers, g.savers, g.caching_options, g.is_output, g.returned,
-                  g.unheld_forward_until): i for i, g in enumerate(self.groups)}
-        self.group_of = {t.name: index[_group_key(problem, t)] for t in problem.tensors}  # tensor name -> group
+        self.groups, self.group_of = _grouping(problem)  # group_of: tensor name -> group index
         self.caches: list = []  # caches[k]: whether k's region caches, up to k (set with the re-run peaks)
         self._stops: dict[int, pulp.LpVariable] = {}
         self.events = self._events()
@@ -422,7 +426,7 @@ class Encoding:
         most = [0] * n
         for index, g in enumerate(self.groups):
             last = max(g.consumers | {g.producer})
-            if not g.caching_options or last == g.producer or g.savers or g.is_output or g.returned:
+            if not g.caching_options or last == g.producer or not dies_after_readers(g):
                 continue  # read by no later stage: its own stage's re-run consumes it (inside(j))
             p, cached = g.producer, self.cached(g)
             for e in range(p, last + 1):
@@ -571,7 +575,7 @@ class Encoding:
         for k in beyond:
             terms.forward[k].append(size * live.held_at_all)
         terms.held[index] = live.held_at_all
-        consumed_inside = g.caching_options and not (g.savers or g.is_output or g.returned)  # see rerun[k]
+        consumed_inside = g.caching_options and dies_after_readers(g)  # see rerun[k]
         for k in range(n):
             for bucket, var in ((terms.start, live.start_at(k)), (terms.after, live.after_at(k)),
                                 (terms.recompute, live.start_at(k) if consumed_inside else live.after_at(k + 1))):
