@@ -33,8 +33,9 @@ from .capture import (CapturedGraph, autocast_state, capture, casts_uncached, in
 from .devices import DeviceSpec, device_spec
 from .meta import device_type_of, target_kernels
 from .timing import AnalyticStopwatch, Estimate, stopwatch_for
-from .costmodel import (Granularity, add_checkpoint_overheads, build_problem, calibrate, granularity_of, never_cached,
-                        partition_stages, passes_gradient_through, refinement, scale_seconds)
+from .costmodel import (Granularity, add_checkpoint_overheads, build_problem, calibrate, created_tensors,
+                        granularity_of, never_cached, partition_stages, passes_gradient_through, refinement,
+                        scale_seconds)
 from .dropout import is_mask, is_state
 from .errors import InfeasibleBudgetError, PlannerError
 from .plan import Plan, SolverStatus, budget_for_usable, usable_bytes
@@ -268,7 +269,8 @@ def pose(captured: CapturedGraph, *, loss_fn: Callable | None = None, optimizer=
     stage_of = {node: i for i, spec in enumerate(stages) for node in spec.nodes}
     try:
         measured = measure_stages(captured, stage_of, len(stages), loss_fn=loss_fn, repeats=profile_repeats,
-                                  hold_outputs=hold_outputs, stopwatch=stopwatch, kernels=kernels)
+                                  hold_outputs=hold_outputs, stopwatch=stopwatch, kernels=kernels,
+                                  created=created_tensors(profile))
     except ValueError as exc:
         raise PlannerError(str(exc), hint="pass loss_fn= that turns the model's output into a scalar loss") from exc
     stage_nodes = tuple(s.nodes for s in stages)

@@ -43,9 +43,9 @@ import torch.fx as fx
 
 from .dropout import is_mask
 from .errors import PlannerError
-from .problem import (HeldInputs, InputSaving, Phase, Problem, RecomputeOption, Schedule, Stage, TensorInfo, keeps,
-                      last_rerun_reader, simulate)
-from .profile import GraphProfile, NodeProfile, StageMeasurement
+from .problem import (BackwardEpoch, HeldInputs, InputSaving, Phase, Problem, RecomputeOption, Schedule, Stage,
+                      TensorInfo, keeps, last_rerun_reader, simulate)
+from .profile import BackwardReleases, GraphProfile, NodeProfile, StageMeasurement
 
 CACHE_SHARES = (0.25, 0.5, 0.75, 1.0)
 
@@ -418,6 +418,25 @@ def recompute_options(stage_nodes: Sequence[NodeProfile], random_nodes: set[str]
     return tuple(options)
 
 
+def tensor_name(node: str, key: int) -> str:
+    """The name of the tensor (``TensorInfo.name``) that ``node`` allocated as the profile's storage ``key``."""
+    return f"{node}#{key}"
+
+
+def created_tensors(profile: GraphProfile) -> dict[str, tuple[tuple[str | None, int], ...]]:
+    """Per node, what it allocates, in order: the name of each tensor the problem keeps of it (None for one it
+    frees itself) and its bytes: what :func:`~planner.profile.measure_stages` names the storages of its step by.
+
+    >>> from planner.profile import NodeProfile, StorageRecord
+    >>> norm = NodeProfile("norm", "", 0.0, 0, (StorageRecord(7, 400, True), StorageRecord(8, 16, False)),
+    ...                    frozenset(), frozenset(), frozenset(), False)
+    >>> created_tensors(GraphProfile((norm,), frozenset(), {}, 0))
+    {'norm': (('norm#7', 400), (None, 16))}
+    """
+    return {n.name: tuple((tensor_name(n.name, r.key) if r.survives else None, r.nbytes) for r in n.created)
+            for n in profile.nodes}
+
+
 def build_problem(profile: GraphProfile, stages: Sequence[StageSpec], *, random_nodes: set[str],
                   extra_fixed_bytes: int = 0, name: str = "", hold_outputs: bool = True,
                   always_kept: AbstractSet[str] = frozenset(), masks: AbstractSet[str] = frozenset(),
@@ -449,7 +468,7 @@ def build_problem(profile: GraphProfile, stages: Sequence[StageSpec], *, random_
             if not record.survives:
                 continue
             tensors.append(TensorInfo(
-                name=f"{n.name}#{record.key}", nbytes=record.nbytes, producer=producer, node=n.name,
+                name=tensor_name(n.name, record.key), nbytes=record.nbytes, producer=producer, node=n.name,
                 seconds=n.seconds, module_path=n.module_path,
                 consumers=frozenset(readers.get(record.key, set()) - {producer}),
                 savers=frozenset(savers.get(record.key, set())),
@@ -891,7 +910,12 @@ def calibrate(problem: Problem, measured: StageMeasurement) -> Problem:
     checkpointed, which holds them as its inputs. What a stage's backward makes before it first reads a saved tensor
     (``StageMeasurement.before_first_unpack``) is alive while a region ending there is recomputed: it joins the
     gradients sent back past the stage (``Stage.output_grad_bytes``), as do the loss and the gradient the backward
-    starts from (``StageMeasurement.loss_bytes``), which the measured backward workspaces hold already."""
+    starts from (``StageMeasurement.loss_bytes``), which the measured backward workspaces hold already. A stage's
+    backward peak is told apart by which tensors of earlier stages that it saves last were still alive
+    (``Stage.backward_epochs``, :func:`backward_epochs`): T5's last stage (the final norm and the head) saves the
+    last decoder block's output, and a region of that block caching it kept it alive through the stage's backward,
+    where the model counted it twice (beside a workspace measured while it was still alive) and predicted the step
+    24,576 bytes above its measurement."""
     events = simulate(problem, Schedule.store_all(problem.num_stages)).events
     forward = {e.stage: e for e in events if e.phase is Phase.FORWARD}
     backward = {e.stage: e for e in events if e.phase is Phase.BACKWARD}
@@ -900,12 +924,14 @@ def calibrate(problem: Problem, measured: StageMeasurement) -> Problem:
     held = [released[k] if stage.held_input_bytes is None else stage.held_input_bytes
             for k, stage in enumerate(problem.stages)]
     before_rerun = measured.before_first_unpack or [0] * problem.num_stages
+    releases = measured.backward_releases or [None] * problem.num_stages
     stages = []
     for k, stage in enumerate(problem.stages):
         fwd_ws = max(0, measured.forward_peak[k] - forward[k].activation_bytes)
         # the model counts the inputs the eager step frees before the stage's peak through all of it
         overcount = max(0, forward[k].activation_bytes - measured.forward_peak[k])
-        bwd_ws = max(0, measured.backward_peak[k] - backward[k].activation_bytes - backward[k].gradient_bytes)
+        counted = backward[k].activation_bytes + backward[k].gradient_bytes
+        bwd_ws = max(0, measured.backward_peak[k] - counted)
         # the same measured peak seen from the stage's start (its own gradients then count as workspace)
         start_ws = max(0, measured.backward_peak[k] - started[k].activation_bytes - started[k].gradient_bytes)
         stages.append(dataclasses.replace(stage, forward_workspace_bytes=fwd_ws, backward_workspace_bytes=bwd_ws,
@@ -914,8 +940,55 @@ def calibrate(problem: Problem, measured: StageMeasurement) -> Problem:
                                           recompute_workspace_bytes=fwd_ws + held[k],
                                           output_grad_bytes=stage.output_grad_bytes + before_rerun[k]
                                           + measured.loss_bytes,
+                                          backward_epochs=backward_epochs(problem, k, releases[k], counted, bwd_ws),
                                           backward_seconds=measured.backward_seconds[k]))
     return dataclasses.replace(problem, stages=tuple(stages))
+
+
+def backward_epochs(problem: Problem, k: int, releases: BackwardReleases | None, counted_bytes: int,
+                    workspace_bytes: int) -> tuple[BackwardEpoch, ...]:
+    """Stage ``k``'s measured eager backward cut where it frees a tensor of an earlier stage that it saves last
+    (one a schedule may keep alive past it: a cache, a region holding its inputs), from the frees the meter saw
+    in it (``releases``; None where its backward shares a segment: no cut). Each epoch names those still alive in
+    it and how far its peak is below the stage's (``workspace_bytes`` above ``counted_bytes``, what its backward
+    event counts). An epoch that another needing no more whatever is kept makes idle is left out; so are all of
+    them when they tell nothing apart, or would take more than the workspace off.
+
+    >>> from planner.meter import Release
+    >>> stages = (Stage("block", 1.0, 2.0), Stage("head", 1.0, 2.0))
+    >>> x = TensorInfo("x#1", 400, 0, frozenset({1}), frozenset({1}), node="x")
+    >>> seen = BackwardReleases((Release("logits#2", 1000), Release("x#1", 900), Release("grad#3", 600)), 700)
+    >>> backward_epochs(Problem(stages, (x,)), 1, seen, 400, 600)
+    (BackwardEpoch(alive=frozenset({'x#1'}), below_bytes=0), BackwardEpoch(alive=frozenset(), below_bytes=300))
+    """
+    if releases is None:
+        return ()
+    candidates = {t.name: t.nbytes for t in problem.tensors
+                  if t.producer < k and t.savers and min(t.savers) == k and not t.is_output}
+    alive = {r.label for r in releases.releases if r.label in candidates}
+    epochs, peak = [], 0
+    for release in releases.releases:
+        peak = max(peak, release.peak_before_bytes)
+        if release.label in alive:
+            epochs.append((frozenset(alive), peak))
+            alive.discard(release.label)
+            peak = 0
+    epochs.append((frozenset(alive), max(peak, releases.tail_peak_bytes)))
+    below = [BackwardEpoch(names, workspace_bytes - max(0, peak - counted_bytes)) for names, peak in epochs]
+    if any(e.below_bytes < 0 or e.below_bytes + sum(candidates[n] for n in e.alive) > workspace_bytes
+           for e in below):
+        return ()  # a peak above the stage's, or more taken off than its workspace: the meter missed something
+    distinct = list(dict.fromkeys(below))
+    kept = [e for e in distinct if not any(_needs_no_more(e, other, candidates) for other in distinct)]
+    return tuple(kept) if any(e.alive for e in kept) else ()
+
+
+def _needs_no_more(epoch: BackwardEpoch, other: BackwardEpoch, sizes: dict[str, int]) -> bool:
+    """Whether ``epoch`` (not ``other``) is never busier than ``other``, whatever is kept alive: it is further below
+    the peak by at least the bytes of ``other``'s tensors that are gone in it (``sizes``), the most a kept tensor
+    can add to it and not to ``other``."""
+    gone = sum(sizes[name] for name in other.alive - epoch.alive)
+    return epoch != other and epoch.below_bytes - other.below_bytes >= gone
 
 
 def _released_in_reader(problem: Problem) -> list[int]:

@@ -17,8 +17,8 @@ True
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass
-from typing import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Sequence
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -101,13 +101,25 @@ class Sample:
     live_bytes: int
 
 
+@dataclass(frozen=True)
+class Release:
+    """A labelled storage freed (see :meth:`LiveMemoryMeter.expect`): its label, and the most bytes that were live
+    since the segment began or the release before this one in it, up to this one."""
+
+    label: str
+    peak_before_bytes: int
+
+
 @dataclass
 class Segment:
-    """The part of a run between two marks: memory when it began and the most it reached."""
+    """The part of a run between two marks: memory when it began and the most it reached; the labelled storages
+    freed in it, in order (``releases``), and the most bytes live since the last of them (``tail_peak_bytes``)."""
 
     label: str
     start_bytes: int
     peak_bytes: int
+    releases: list[Release] = field(default_factory=list)
+    tail_peak_bytes: int = 0
 
 
 class LiveMemoryMeter(TorchDispatchMode):
@@ -127,6 +139,20 @@ class LiveMemoryMeter(TorchDispatchMode):
     [('aten.ones.default', 'forward', 4000), ('aten.exp.default', 'forward', 8000), ('aten.ones.default', 'backward', 40)]
     >>> max(s.live_bytes for s in meter.samples) == meter.peak_bytes
     True
+
+    A storage given a label (:meth:`expect`) is reported when it is freed, with the peak before, so that a
+    segment's peak can be told apart by what was still alive (``Segment.releases``):
+
+    >>> with LiveMemoryMeter() as meter:
+    ...     meter.expect([("x", 4000)])
+    ...     x = torch.ones(1000)
+    ...     meter.settle()
+    ...     meter.mark("backward")
+    ...     y = x.exp()
+    ...     del x
+    ...     z = torch.ones(100)
+    >>> meter.segments[0].releases, meter.segments[0].tail_peak_bytes, meter.segments[0].peak_bytes
+    ([Release(label='x', peak_before_bytes=8000)], 4400, 8000)
 
     ``resizable`` returns tensors whose storage is grown and shrunk in place (``untyped_storage().resize_``, which
     no op dispatch sees: FSDP2's unsharded parameters); their current size counts as live at every op.
@@ -150,17 +176,42 @@ class LiveMemoryMeter(TorchDispatchMode):
         self.samples: list[Sample] = []
         self._refs: dict[int, weakref.ref] = {}
         self._sizes: dict[int, int] = {}
+        self._labels: dict[int, str] = {}  # labelled storages (see expect): their labels
+        self._expected: list[tuple[str | None, int]] | None = None
+        self._made: list[tuple[int, int]] | None = None  # storages allocated since expect(): key, bytes
         self._resizable = resizable
         self._resized_bytes = 0  # the resizable storages' bytes, as last counted into live_bytes
 
     def mark(self, label: str) -> None:
         """Start a new segment (for example, the forward of one stage)."""
-        self.segments.append(Segment(label, self.live_bytes, self.live_bytes))
+        self.segments.append(Segment(label, self.live_bytes, self.live_bytes, tail_peak_bytes=self.live_bytes))
+
+    def expect(self, labels: Sequence[tuple[str | None, int]]) -> None:
+        """Label the storages allocated from now until :meth:`settle`, in order, as ``labels`` says (a label or
+        None, and the bytes expected), if they match it in number and size: each labelled one is reported when it
+        is freed (``Segment.releases``)."""
+        self._expected, self._made = list(labels), []
+
+    def settle(self) -> None:
+        """Give the storages allocated since :meth:`expect` their labels, where they match what it expected."""
+        expected, made = self._expected, self._made
+        self._expected = self._made = None
+        if expected is None or made is None or len(made) != len(expected) or \
+                any(nbytes != size for (_, nbytes), (_, size) in zip(made, expected)):
+            return
+        for (key, _), (label, _) in zip(made, expected):
+            if label is not None and key in self._refs:
+                self._labels[key] = label
 
     def _release(self, key: int, nbytes: int) -> None:
         if self._refs.pop(key, None) is not None:
             self._sizes.pop(key, None)
             self.live_bytes -= nbytes
+            label = self._labels.pop(key, None)
+            if label is not None and self.segments:
+                segment = self.segments[-1]
+                segment.releases.append(Release(label, segment.tail_peak_bytes))
+                segment.tail_peak_bytes = self.live_bytes
 
     def _track(self, storage: torch.UntypedStorage, skip: set[int]) -> None:
         key = id(storage)
@@ -169,6 +220,8 @@ class LiveMemoryMeter(TorchDispatchMode):
         nbytes = storage.nbytes()
         self._sizes[key] = nbytes
         self._refs[key] = weakref.ref(storage, lambda _r, k=key, n=nbytes: self._release(k, n))
+        if self._made is not None:
+            self._made.append((key, nbytes))
         self.live_bytes += nbytes
         self._note_peak()
 
@@ -179,6 +232,7 @@ class LiveMemoryMeter(TorchDispatchMode):
         storages = {id(t.untyped_storage()): t.untyped_storage().nbytes() for t in self._resizable()}
         for key in storages.keys() & self._refs.keys():
             self._refs.pop(key)
+            self._labels.pop(key, None)
             self.live_bytes -= self._sizes.pop(key)
         now = sum(storages.values())
         self.live_bytes += now - self._resized_bytes
@@ -189,8 +243,10 @@ class LiveMemoryMeter(TorchDispatchMode):
     def _note_peak(self) -> None:
         if self.live_bytes > self.peak_bytes:
             self.peak_bytes = self.live_bytes
-        if self.segments and self.live_bytes > self.segments[-1].peak_bytes:
-            self.segments[-1].peak_bytes = self.live_bytes
+        if self.segments:
+            segment = self.segments[-1]
+            segment.peak_bytes = max(segment.peak_bytes, self.live_bytes)
+            segment.tail_peak_bytes = max(segment.tail_peak_bytes, self.live_bytes)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         hidden = hidden_bytes(func, args)  # what the op holds at its busiest, out of this mode's sight

@@ -66,7 +66,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
+from typing import Iterable, Mapping, Sequence
 
 
 @dataclass(frozen=True)
@@ -116,6 +116,17 @@ class HeldInputs:
 
 
 @dataclass(frozen=True)
+class BackwardEpoch:
+    """A stretch of a stage's eager backward between two frees of the tensors of earlier stages that the stage saves
+    last (the eager step frees them inside its backward): which of them are still alive in it (``alive``), and how
+    much less than the stage's backward workspace it needs at its busiest (``below_bytes``), those tensors
+    included."""
+
+    alive: frozenset[str]
+    below_bytes: int = 0
+
+
+@dataclass(frozen=True)
 class Stage:
     """A contiguous run of graph nodes, measured.
 
@@ -143,6 +154,11 @@ class Stage:
     ``input_savings``: what the stage's re-run holds less than its working set says where its region's own re-run
     made some of those inputs: they die inside it as in the eager step, so what holding them adds is not all
     there (:class:`InputSaving`, :func:`input_saving`).
+    ``backward_epochs``: the stage's measured backward told apart by which of the tensors of earlier stages that it
+    saves last are still alive (:class:`BackwardEpoch`). The eager step frees them inside the stage's backward, so
+    its backward event counts them no more, and the backward workspace holds those alive at its peak; where a
+    schedule keeps them alive past the stage anyway (a cache, a region holding its inputs), the event counts them
+    among its activations, and they count once (:meth:`backward_workspace_with`). Empty: the workspace is whole.
     ``saves_nothing``: no op of the stage saves a tensor for the backward, not even a parameter or an input (a
     residual add, a reshape). A region of such stages only is no region: non-reentrant checkpoint keeps its inputs
     through what its ops save, so it keeps nothing and re-runs nothing, where this model would hold its inputs
@@ -166,6 +182,7 @@ class Stage:
     forward_overcount_bytes: int = 0
     input_savings: tuple["InputSaving", ...] = ()
     saves_nothing: bool = False
+    backward_epochs: tuple[BackwardEpoch, ...] = ()
 
     @property
     def recompute_options(self) -> tuple[RecomputeOption, ...]:
@@ -206,6 +223,28 @@ class Stage:
         held = set(held)
         return max((max(0, e.excess_bytes - self.forward_overcount_bytes) for e in self.held_inputs
                     if e.tensors <= held), default=0)
+
+    def backward_workspace_with(self, kept: Mapping[str, int]) -> int:
+        """The backward workspace beside the tensors ``kept`` (names to bytes) alive past this stage's backward,
+        which its event counts among the activations: the busiest of its epochs (:class:`BackwardEpoch`), each less
+        what of it those tensors, alive in it, already are.
+
+        >>> stage = Stage("s", 1.0, 2.0, backward_workspace_bytes=500, backward_epochs=(
+        ...     BackwardEpoch(frozenset({"x", "y"})), BackwardEpoch(frozenset({"y"}), below_bytes=100),
+        ...     BackwardEpoch(frozenset(), below_bytes=300)))
+        >>> stage.backward_workspace_with({}), stage.backward_workspace_with({"x": 200})
+        (500, 400)
+        >>> stage.backward_workspace_with({"x": 200, "y": 50})
+        350
+        """
+        return self.backward_workspace_bytes - min(
+            (e.below_bytes + sum(kept.get(name, 0) for name in e.alive) for e in self.backward_epochs), default=0)
+
+    @property
+    def backward_releasing(self) -> frozenset[str]:
+        """The tensors of earlier stages that this stage saves last whose frees tell its epochs apart
+        (:class:`BackwardEpoch`)."""
+        return frozenset().union(*(e.alive for e in self.backward_epochs))
 
     def forward_extra_of(self, option: int) -> int:
         """Bytes the forward of this stage needs inside a region with ``option`` beyond what it needs stored (what
@@ -657,8 +696,12 @@ def simulate(problem: Problem, schedule: Schedule) -> Evaluation:
     held_after = [0] * n  # bytes held once stage k's backward is done
     consumed = [0] * n  # cached bytes the recomputation of the region ending at k consumes
     copies = [0] * n
+    releasing = {name: k for k, stage in enumerate(problem.stages) for name in stage.backward_releasing}
+    kept_after: list[dict[str, int]] = [{} for _ in range(n)]  # see Stage.backward_workspace_with
     for t in problem.tensors:
         live = liveness(problem, schedule, t)
+        if (releaser := releasing.get(t.name)) is not None and live.alive_after(releaser):
+            kept_after[releaser][t.name] = t.nbytes
         for k in range(t.producer, live.forward_until + 1):
             forward[k] += t.nbytes
         if (reader := last_rerun_reader(t)) is not None and (live.held_from, live.consumed_at) != (None, None):
@@ -690,7 +733,7 @@ def simulate(problem: Problem, schedule: Schedule) -> Evaluation:
         ws = problem.stages[k].backward_start_workspace_bytes
         events.append(MemoryEvent(Phase.BACKWARD_START, k, fixed + start + grads + ws, start, grads, ws))
         grads += problem.stages[k].grad_bytes
-        ws = problem.stages[k].backward_workspace_bytes
+        ws = problem.stages[k].backward_workspace_with(kept_after[k])
         same_region = k > 0 and owner[k] is not None and owner[k - 1] == owner[k]
         after = held_after[k] + (copies[k - 1] if same_region else 0)
         events.append(MemoryEvent(Phase.BACKWARD, k, fixed + after + grads + ws, after, grads, ws))

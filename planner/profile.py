@@ -25,7 +25,7 @@ import dataclasses
 import statistics
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 import torch.fx as fx
@@ -34,7 +34,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import FlopCounterMode
 
 from .capture import CapturedGraph, casts_uncached, flat_call_args, module_path, outside_autocast, written_inputs
-from .meter import LiveMemoryMeter, hidden_bytes, storage_bytes
+from .meter import LiveMemoryMeter, Release, Segment, hidden_bytes, storage_bytes
 from .timing import Estimate, Stopwatch, WallStopwatch, interleaved_rounds, median_standard_error
 
 Kernels = dict  # graph target -> what to call instead while profiling (see planner.meta.target_kernels)
@@ -358,6 +358,15 @@ class BackwardMarker(torch.autograd.Function):
         return (None, *grads)
 
 
+@dataclass(frozen=True)
+class BackwardReleases:
+    """The named tensors freed in one stage's eager backward, in order (:class:`~planner.meter.Release`: its label
+    is the tensor's name), and the most bytes live after the last of them."""
+
+    releases: tuple[Release, ...]
+    tail_peak_bytes: int
+
+
 @dataclass
 class StageMeasurement:
     """Measured per stage over one eager step: peak live bytes (beyond fixed) in its forward and backward."""
@@ -375,14 +384,20 @@ class StageMeasurement:
     before_first_unpack: list[int] | None = None
     # the loss and the gradient the backward starts from, held through the whole backward (outside every stage)
     loss_bytes: int = 0
+    # per stage whose backward has a segment of the meter to itself: the named tensors freed in it, in order, each
+    # with the peak before it (since the segment began or the free before), and the peak after the last; None for
+    # the others. A stage's measured peak, told apart by which tensors it saves of earlier stages are still alive
+    backward_releases: list[BackwardReleases | None] | None = None
 
 
 class _MarkingInterpreter(FreeingInterpreter):
     def __init__(self, gm: fx.GraphModule, stage_of: dict[str, int], on_forward: Callable[[int], None],
                  on_backward_done: Callable[[int], None], kernels: Kernels | None = None,
-                 on_first_unpack: Callable[[int], None] | None = None):
+                 on_first_unpack: Callable[[int], None] | None = None,
+                 labelling: Callable[[str], Any] | None = None):
         super().__init__(gm)
         self.kernels = kernels or {}
+        self.labelling = labelling  # node name -> a context its op runs in
         self.stage_of = stage_of
         self.on_forward = on_forward
         self.on_backward_done = on_backward_done
@@ -413,7 +428,10 @@ class _MarkingInterpreter(FreeingInterpreter):
             self.current = stage
             self._mark_inputs(stage)
             self.on_forward(stage)
-        return super().run_node(n)
+        if self.labelling is None:
+            return super().run_node(n)
+        with self.labelling(n.name):
+            return super().run_node(n)
 
     def call_function(self, target, args, kwargs) -> Any:
         return self.kernels.get(target, target)(*args, **kwargs)
@@ -450,22 +468,27 @@ def measure_stages(captured: CapturedGraph, stage_of: dict[str, int], num_stages
                    loss_fn: Callable[[Any], torch.Tensor] | None = None, repeats: int = 3,
                    hold_outputs: bool = True, stopwatch: Stopwatch | None = None,
                    kernels: Kernels | None = None,
-                   resizable: Callable[[], Sequence[torch.Tensor]] | None = None) -> StageMeasurement:
+                   resizable: Callable[[], Sequence[torch.Tensor]] | None = None,
+                   created: Mapping[str, Sequence[tuple[str | None, int]]] | None = None) -> StageMeasurement:
     """Run eager training steps of the captured graph with stage markers; measure memory once and time ``repeats``.
 
     ``hold_outputs``: whether the model's outputs stay referenced through the backward, as in
     ``out = model(x); out.loss.backward()`` (``loss_fn(model(x)).backward()`` lets them go).
     ``stopwatch`` and ``kernels``: as for :func:`profile_graph`. On CUDA tensors the metered step also reads the
     caching allocator's peak (``torch.cuda.max_memory_allocated``) and what it reserves. ``resizable``: storages
-    grown in place that the meter counts too (see :class:`~planner.meter.LiveMemoryMeter`).
+    grown in place that the meter counts too (see :class:`~planner.meter.LiveMemoryMeter`). ``created``: per node,
+    the name (or None) and bytes of each storage it allocates, in order (:func:`~planner.costmodel.created_tensors`):
+    the metered step names them so, where they match, to tell which were freed where in each stage's backward
+    (``StageMeasurement.backward_releases``).
     """
     gm = captured.graph_module
     flat = flat_call_args(captured, captured.example_args, captured.example_kwargs)
     loss_of = loss_fn or default_loss
 
-    def one_step(on_forward, on_backward_start, on_backward_done, on_first_unpack=None):
+    def one_step(on_forward, on_backward_start, on_backward_done, on_first_unpack=None, labelling=None):
         with casts_uncached():  # as the planned module runs
-            interp = _MarkingInterpreter(gm, stage_of, on_forward, on_backward_done, kernels, on_first_unpack)
+            interp = _MarkingInterpreter(gm, stage_of, on_forward, on_backward_done, kernels, on_first_unpack,
+                                         labelling)
             outputs = interp.run(*flat)
         loss = loss_of(outputs)
         held_outputs = {id(t.untyped_storage()) for t in tree_leaves(outputs) if isinstance(t, torch.Tensor)} \
@@ -486,11 +509,11 @@ def measure_stages(captured: CapturedGraph, stage_of: dict[str, int], num_stages
 
     on_cuda = any(t.is_cuda for t in list(gm.parameters()) + [x for x in flat if isinstance(x, torch.Tensor)])
     with preserved_training_state(gm):
-        return _measure(one_step, num_stages, repeats, stopwatch or WallStopwatch(), on_cuda, resizable)
+        return _measure(one_step, num_stages, repeats, stopwatch or WallStopwatch(), on_cuda, resizable, created)
 
 
-def _measure(one_step, num_stages: int, repeats: int, stopwatch: Stopwatch,
-             on_cuda: bool = False, resizable=None) -> StageMeasurement:
+def _measure(one_step, num_stages: int, repeats: int, stopwatch: Stopwatch, on_cuda: bool = False, resizable=None,
+             created: Mapping[str, Sequence[tuple[str | None, int]]] | None = None) -> StageMeasurement:
     meter = LiveMemoryMeter(resizable=resizable)
     if on_cuda:
         torch.cuda.synchronize()
@@ -504,9 +527,21 @@ def _measure(one_step, num_stages: int, repeats: int, stopwatch: Stopwatch,
         if segment is not None and segment.label == ("b" if k == num_stages - 1 else f"d{k + 1}"):
             before_first_unpack[k] = max(0, meter.live_bytes - segment.start_bytes)
 
+    @contextmanager
+    def labelling(node: str) -> Iterator[None]:
+        """The storages ``node`` allocates get the names of its tensors (``created``), where they match."""
+        expected = (created or {}).get(node)
+        if expected:
+            meter.expect(expected)
+        try:
+            yield
+        finally:
+            if expected:
+                meter.settle()
+
     with meter:
         loss_bytes = one_step(lambda k: meter.mark(f"f{k}"), lambda: meter.mark("b"), lambda k: meter.mark(f"d{k}"),
-                              first_unpack)
+                              first_unpack, labelling)
     device_peak = device_reserved = None
     if on_cuda:
         torch.cuda.synchronize()
@@ -518,11 +553,15 @@ def _measure(one_step, num_stages: int, repeats: int, stopwatch: Stopwatch,
             forward_peak[int(seg.label[1:])] = max(forward_peak[int(seg.label[1:])], seg.peak_bytes)
     backward_segments = [s for s in meter.segments if not s.label.startswith("f")]
     # a segment that starts at "b" or "d{k}" covers the backward of the stages down to the next "d{j}" mark
+    covering: list[list[Segment | None]] = [[] for _ in range(num_stages)]  # per stage, its segments (None: shared)
     for seg, nxt in zip(backward_segments, backward_segments[1:] + [None]):
         low = int(nxt.label[1:]) if nxt is not None else 0
         high = int(seg.label[1:]) - 1 if seg.label.startswith("d") else num_stages - 1
         for k in range(low, high + 1):
             backward_peak[k] = max(backward_peak[k], seg.peak_bytes)
+            covering[k].append(seg if low == high else None)
+    releases = [BackwardReleases(tuple(c[0].releases), c[0].tail_peak_bytes) if len(c) == 1 and c[0] else None
+                for c in covering]
 
     times: list[list[float]] = [[] for _ in range(num_stages)]
     steps: list[float] = []
@@ -548,7 +587,7 @@ def _measure(one_step, num_stages: int, repeats: int, stopwatch: Stopwatch,
     return StageMeasurement(forward_peak, backward_peak, backward_seconds, stopwatch.combine(steps),
                             total_peak=meter.peak_bytes, device_peak_bytes=device_peak,
                             device_reserved_bytes=device_reserved, before_first_unpack=before_first_unpack,
-                            loss_bytes=loss_bytes)
+                            loss_bytes=loss_bytes, backward_releases=releases)
 
 
 def paired_step_seconds(steps: dict[str, Callable[[], None]], repeats: int, baseline: str, *,

@@ -20,8 +20,8 @@ import dataclasses
 import itertools
 import random
 
-from planner.problem import (HeldInputs, InputSaving, Problem, RecomputeOption, Region, Schedule, Stage, TensorInfo,
-                             last_rerun_reader, simulate)
+from planner.problem import (BackwardEpoch, HeldInputs, InputSaving, Problem, RecomputeOption, Region, Schedule,
+                             Stage, TensorInfo, last_rerun_reader, simulate)
 
 
 def _options(rng: random.Random, stage: int, forward_seconds: float, nodes: list[str],
@@ -92,6 +92,31 @@ def _with_input_savings(stages: list[Stage], tensors: tuple[TensorInfo, ...], un
     return out
 
 
+def _with_backward_epochs(stages: list[Stage], tensors: tuple[TensorInfo, ...], unit: int,
+                          name: str) -> list[Stage]:
+    """``stages`` with, for most of those that save tensors of earlier stages last, their backward told apart by
+    which of them are still alive (``Stage.backward_epochs``): freed in a drawn order, the peak in a drawn epoch
+    while some are alive, each other epoch a drawn distance below it, never more than the workspace, which grows to
+    hold the tensors; drawn apart."""
+    if "backward_epochs" not in _STAGE_FIELDS:
+        return stages
+    out = []
+    for k, stage in enumerate(stages):
+        rng = random.Random(f"epochs/{name}/{k}")
+        releasing = [t for t in tensors if t.producer < k and t.savers and min(t.savers) == k and not t.is_output]
+        if not releasing or rng.random() < 0.3:
+            out.append(stage)
+            continue
+        order = rng.sample(releasing, rng.randint(1, len(releasing)))
+        workspace = max(stage.backward_workspace_bytes, sum(t.nbytes for t in order) + unit * rng.choice([0, 2, 6]))
+        alive = [order[i:] for i in range(len(order) + 1)]
+        peak = rng.randrange(len(alive) - 1)  # while some are alive: at the end, nothing they keep would count
+        epochs = tuple(BackwardEpoch(frozenset(t.name for t in names), 0 if i == peak else unit * rng.randint(
+            0, (workspace - sum(t.nbytes for t in names)) // unit)) for i, names in enumerate(alive))
+        out.append(dataclasses.replace(stage, backward_workspace_bytes=workspace, backward_epochs=epochs))
+    return out
+
+
 def _held_inputs(released: list[str], unit: int, seed: str) -> dict:
     """A stage's ``held_inputs`` over the tensors it reads last (``released``): up to three sets of them, each
     with what holding it adds to the forward, and the forward's over-count that holding takes back first."""
@@ -137,7 +162,9 @@ def random_chain(n: int, seed: int = 0, *, num_options: int = 2, unit: int = 8, 
                                       node=rng.choice(nodes), is_output=True))
         stages.append(_stage(rng, p, nodes, num_options, unit))
     tensors = _returned(tensors, "chain", n, seed, since=n - 2)
-    return Problem(tuple(_with_input_savings(stages, tensors, unit, f"chain{n}_{seed}")), tensors,
+    stages = _with_backward_epochs(_with_input_savings(stages, tensors, unit, f"chain{n}_{seed}"), tensors, unit,
+                                   f"chain{n}_{seed}")
+    return Problem(tuple(stages), tensors,
                    fixed_bytes=unit * rng.randint(0, 40), name=f"chain{n}_{seed}", **_region_seconds("chain", n, seed))
 
 
@@ -156,7 +183,9 @@ def random_dag(n: int, seed: int = 0, *, num_options: int = 2, unit: int = 8, re
                                       node=rng.choice(nodes), is_output=rng.random() < 0.05))
         stages.append(_stage(rng, p, nodes, num_options, unit))
     tensors = _returned(tensors, "dag", n, seed)
-    return Problem(tuple(_with_input_savings(stages, tensors, unit, f"dag{n}_{seed}")), tensors,
+    stages = _with_backward_epochs(_with_input_savings(stages, tensors, unit, f"dag{n}_{seed}"), tensors, unit,
+                                   f"dag{n}_{seed}")
+    return Problem(tuple(stages), tensors,
                    fixed_bytes=unit * rng.randint(0, 40), name=f"dag{n}_{seed}", **_region_seconds("dag", n, seed))
 
 
@@ -279,3 +308,24 @@ def held_norm_output(held_forward=1200, layer_region_forward=None, head_saved=80
                TensorInfo("c", 10, 1, frozenset({2}), frozenset({2}), node="c"),
                TensorInfo("head_saved", head_saved, 2, frozenset({2}), frozenset({2}), node="head_saved"))
     return Problem(stages, tensors, region_seconds=0.5, name="held_norm_output")
+
+
+
+def cached_head_input():
+    """Three stages: a block whose output ``x`` (200 bytes) only the next stage reads and saves, which may cache
+    it; a layer that saves ``x`` and 300 bytes of its own; a head saving 2,500. The layer's backward frees ``x``
+    early: its workspace of 3,000 holds ``x`` at its peak, and once ``x`` is gone it needs 300 less
+    (``Stage.backward_epochs``). A cache of ``x`` keeps it past the layer's backward, where it counts once, so
+    the layer's backward event after that cache is 200 bytes lower than the workspace and ``x`` would make it.
+    Each region costs 0.5 s."""
+    block = (RecomputeOption("recompute_all", frozenset(), 5.0), RecomputeOption("cache_x", frozenset({"x"}), 0.2))
+    epochs = (BackwardEpoch(frozenset({"x"})), BackwardEpoch(frozenset(), below_bytes=300))
+    layer = Stage("layer", 1.0, 2.0, backward_workspace_bytes=3000, backward_epochs=epochs,
+                  options=(RecomputeOption("recompute_all", frozenset(), 0.1),))
+    stages = (Stage("block", 5.0, 10.0, options=block), layer, Stage("head", 1.0, 2.0))
+    tensors = (TensorInfo("x", 200, 0, frozenset({1}), frozenset({1}), node="x"),
+               TensorInfo("block_saved", 500, 0, frozenset({0}), frozenset({0}), node="block_saved"),
+               TensorInfo("layer_saved", 300, 1, frozenset({1}), frozenset({1}), node="layer_saved"),
+               TensorInfo("y", 10, 1, frozenset({2}), frozenset({2}), node="y"),
+               TensorInfo("head_saved", 2500, 2, frozenset({2}), frozenset({2}), node="head_saved"))
+    return Problem(stages, tensors, region_seconds=0.5, name="cached_head_input")

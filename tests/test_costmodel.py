@@ -2,10 +2,11 @@ import pytest
 import torch
 
 from planner.capture import capture
-from planner.costmodel import (Granularity, build_problem, calibrate, is_random, never_cached, partition_stages,
-                               recompute_options, refinement)
-from planner.problem import Schedule, simulate
-from planner.profile import measure_stages, profile_graph
+from planner.costmodel import (Granularity, backward_epochs, build_problem, calibrate, created_tensors, is_random,
+                               never_cached, partition_stages, recompute_options, refinement)
+from planner.meter import Release
+from planner.problem import BackwardEpoch, Problem, Schedule, Stage, TensorInfo, simulate
+from planner.profile import BackwardReleases, measure_stages, profile_graph
 from tests.helpers import NoGradInside, training_step
 
 
@@ -407,3 +408,40 @@ def test_a_residual_add_hands_one_gradient_to_both_inputs(tower):
                    if a.output_grad_bytes != b.output_grad_bytes}
     assert differences and set(differences.values()) == {hidden}
     assert all(any(k < stage_of[add] for add in adds) for k in differences)  # only on the way to an add
+
+
+def _saved_by_head(*names_and_bytes):
+    """A block making tensors that only the head (stage 1) saves, and what else it makes."""
+    tensors = tuple(TensorInfo(name, nbytes, 0, frozenset({1}), frozenset({1}), node=name)
+                    for name, nbytes in names_and_bytes)
+    return Problem((Stage("block", 1.0, 2.0), Stage("head", 1.0, 2.0)), tensors)
+
+
+def test_backward_epochs_cut_a_stage_backward_where_it_frees_what_it_saves_of_earlier_stages():
+    """The head frees ``x`` (300 bytes), then ``y`` (250): its peak (1,000; 600 above what its event counts) comes
+    while both are alive, 200 below it after ``x`` is gone, 350 below after ``y``. Unrelated frees and tensors the
+    stage does not save last only mark the time."""
+    problem = _saved_by_head(("x", 300), ("y", 250))
+    seen = BackwardReleases((Release("grad#9", 1000), Release("x", 700), Release("y", 800), Release("z", 100)), 650)
+    assert backward_epochs(problem, 1, seen, counted_bytes=400, workspace_bytes=600) == (
+        BackwardEpoch(frozenset({"x", "y"})), BackwardEpoch(frozenset({"y"}), 200), BackwardEpoch(frozenset(), 350))
+
+
+def test_backward_epochs_leave_out_what_never_decides_and_what_the_meter_cannot_tell():
+    problem = _saved_by_head(("x", 100))
+    late = BackwardReleases((Release("x", 500),), 1000)  # the peak after x is gone: x never mattered
+    assert backward_epochs(problem, 1, late, counted_bytes=400, workspace_bytes=600) == ()
+    idle = BackwardReleases((Release("x", 1000),), 900)  # 100 below once x (100) is gone: never busier
+    assert backward_epochs(problem, 1, idle, counted_bytes=400, workspace_bytes=600) == (
+        BackwardEpoch(frozenset({"x"})),)
+    assert backward_epochs(problem, 1, None, counted_bytes=400, workspace_bytes=600) == ()  # a shared segment
+    above = BackwardReleases((Release("x", 1200),), 900)  # above the stage's measured peak: inconsistent
+    assert backward_epochs(problem, 1, above, counted_bytes=400, workspace_bytes=600) == ()
+    assert backward_epochs(problem, 0, late, counted_bytes=400, workspace_bytes=600) == ()  # not the block's
+
+
+def test_the_metered_step_names_tensors_as_the_problem_does(tower):
+    _, _, captured, profile = tower
+    stages = partition_stages(profile)
+    names = {name for created in created_tensors(profile).values() for name, _ in created if name is not None}
+    assert names == {t.name for t in build_problem(profile, stages, random_nodes=set()).tensors}

@@ -63,6 +63,35 @@ def test_segments_record_the_peak_between_marks():
     del b
 
 
+def test_labelled_storages_report_when_they_are_freed_with_the_peak_before():
+    with LiveMemoryMeter() as meter:
+        meter.expect([("a", 4000), (None, 400), ("b", 40)])
+        a, scratch, b = torch.empty(1000), torch.empty(100), torch.empty(10)
+        meter.settle()
+        meter.mark("backward")
+        view = a[10:]  # a view of a keeps its storage alive
+        del a, scratch
+        c = torch.empty(2000)
+        del view
+        del b, c
+    releases = meter.segments[0].releases
+    assert [(r.label, r.peak_before_bytes) for r in releases] == [("a", 12040), ("b", 8040)]
+    assert meter.segments[0].tail_peak_bytes == 8000 and meter.segments[0].peak_bytes == 12040
+
+
+def test_storages_that_do_not_match_what_was_expected_get_no_labels():
+    with LiveMemoryMeter() as meter:
+        meter.expect([("a", 4000)])
+        a, b = torch.empty(1000), torch.empty(10)  # one storage more than expected
+        meter.settle()
+        meter.expect([("c", 40)])
+        c = torch.empty(1000)  # another size
+        meter.settle()
+        meter.mark("backward")
+        del a, b, c
+    assert meter.segments[0].releases == []
+
+
 def test_backward_allocations_are_seen():
     w = torch.randn(64, 64, requires_grad=True)
     peak = measure_step_peak(lambda: (torch.randn(128, 64) @ w).sum().backward(), [w])

@@ -5,7 +5,7 @@ import pytest
 from planner.problem import (InputSaving, Phase, Problem, RecomputeOption, Region, Schedule, Stage, TensorInfo,
                              input_saving, liveness, simulate, without_empty_regions)
 from planner.solvers import solve
-from tests.solver_problems import bn_relu_conv, held_norm_output
+from tests.solver_problems import bn_relu_conv, cached_head_input, held_norm_output
 
 
 def chain(n=4, act=100, boundary=10, grads=0, fixed=1000):
@@ -279,3 +279,25 @@ def test_a_region_of_stages_that_save_nothing_is_dropped_and_no_plan_keeps_one()
         assert plan.predicted_peak_bytes == simulate(problem, plan.schedule).peak_bytes
     uniform_plan = solve(problem, before.peak_bytes, method="uniform")
     assert [(r.start, r.stop) for r in uniform_plan.regions] == [(0, 1), (2, 3)]
+
+
+def test_a_cached_tensor_the_next_stage_saves_last_counts_once_in_its_backward():
+    """``cached_head_input``: the layer saves the block's output ``x`` (200 bytes) and frees it early in its
+    backward; its workspace (3,000) holds ``x`` at its peak and needs 300 less once ``x`` is gone. Stored, the
+    layer's backward event counts ``x`` in the workspace alone; with the block's region caching ``x``, ``x`` is
+    alive past the layer's backward (until the block's re-run), and counts once: the workspace beside it is
+    3,000 - min(0 + 200, 300) = 2,800. With a region caching nothing, ``x`` is the block's output, held by the
+    layer alone: nothing changes."""
+    problem = cached_head_input()
+
+    def layer_backward(schedule):
+        return next(e for e in simulate(problem, schedule).events if (e.phase, e.stage) == (Phase.BACKWARD, 1))
+
+    stored = layer_backward(Schedule())  # block_saved 500, head's gradients 0: 500 + 3,000
+    assert (stored.activation_bytes, stored.workspace_bytes, stored.total_bytes) == (500, 3000, 3500)
+    cached = layer_backward(Schedule((Region(0, 1, (1,)),)))  # x cached, block_saved recomputed
+    assert (cached.activation_bytes, cached.workspace_bytes, cached.total_bytes) == (200, 2800, 3000)
+    plain = layer_backward(Schedule((Region(0, 1, (0,)),)))
+    assert (plain.activation_bytes, plain.workspace_bytes) == (0, 3000)
+    region = layer_backward(Schedule((Region(0, 1, (1,)), Region(1, 3))))  # the layer first of a region
+    assert (region.activation_bytes, region.workspace_bytes) == (200, 2800)

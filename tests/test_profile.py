@@ -94,6 +94,31 @@ def test_measured_stage_peaks_cover_the_eager_step():
     assert len(measured.backward_seconds) == 2 and measured.step_seconds > 0
 
 
+def test_a_stage_backward_reports_when_it_frees_the_tensors_it_saves_of_earlier_stages():
+    """Stage 1 (GELU and the second linear layer) saves the first layer's output, which nothing else keeps: the
+    metered step names it as the profile does and reports it freed inside stage 1's backward, after the peak of
+    stage 1's backward up to then."""
+    from planner.costmodel import created_tensors
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Linear(64, 16))
+    x = torch.randn(256, 16)
+    captured = capture(model, (x,))
+    stage_of = {n.name: (0 if n.name == "linear" else 1) for n in captured.compute_nodes()}
+    created = created_tensors(profile_graph(captured, repeats=0))
+    (first_layer, nbytes), = created["linear"]
+    assert nbytes == 256 * 64 * 4
+    loss_fn = lambda out: out.pow(2).mean()  # noqa: E731
+    measured = measure_stages(captured, stage_of, 2, loss_fn=loss_fn, repeats=0, hold_outputs=False,
+                              created=created)
+    head = measured.backward_releases[1]
+    freed = {r.label: r.peak_before_bytes for r in head.releases}
+    assert nbytes <= freed[first_layer] <= measured.backward_peak[1]
+    assert first_layer not in {r.label for r in measured.backward_releases[0].releases}
+    unnamed = measure_stages(captured, stage_of, 2, loss_fn=loss_fn, repeats=0, hold_outputs=False)
+    assert unnamed.backward_peak == measured.backward_peak and not unnamed.backward_releases[1].releases
+
+
 def test_default_loss_prefers_a_scalar_output():
     loss = torch.tensor(2.0, requires_grad=True)
     assert default_loss({"loss": loss, "logits": torch.ones(3, requires_grad=True)}) is loss

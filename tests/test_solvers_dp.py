@@ -17,12 +17,14 @@ from planner.solvers.dp import (_bound_unit, _deepening, _Deepened, _focused, _n
                                 _relaxed_optimum, _repeats, _Search, _tables, _unit, _within_budget,
                                 chain_relaxation, lower_bound, minimum_peak, relative_gap, solve_dp)
 from planner.solvers.ilp import solve_ilp
-from tests.solver_problems import (bn_relu_conv, brute_force_best, brute_force_table, held_norm_output, layered_chain,
-                                   random_chain, random_dag, random_schedule)
+from tests.solver_problems import (bn_relu_conv, brute_force_best, brute_force_table, cached_head_input,
+                                   held_norm_output, layered_chain, random_chain, random_dag, random_schedule)
 
 # (5, 6, 2): a cached tensor that only the next stage reads and nothing saves is gone once that stage has
-# re-run (problem.cached_dies_with); counted to the region's end, the program missed the best plan at 4 budgets
-CHAINS = [(4, 0, 2), (4, 3, 2), (4, 9, 3), (5, 1, 2), (5, 4, 3), (5, 12, 2), (5, 6, 2)]
+# re-run (problem.cached_dies_with); counted to the region's end, the program missed the best plan at 4 budgets.
+# (4, 27, 3): a cached tensor that the next stage saves last counts once in that stage's backward
+# (Stage.backward_epochs); counted twice, the program missed the best plan at 2 budgets
+CHAINS = [(4, 0, 2), (4, 3, 2), (4, 9, 3), (5, 1, 2), (5, 4, 3), (5, 12, 2), (5, 6, 2), (4, 27, 3)]
 
 
 @pytest.mark.parametrize("n,seed,options", CHAINS)
@@ -73,7 +75,20 @@ def test_dp_adds_what_a_held_input_costs_the_forward_of_the_stage_that_reads_it_
     exactly where ``simulate`` does: its own search (no bound, no second try at a tighter budget) finds the best
     plan at every budget; leaving out any of the three cases, counting it always, or covering none or twice as
     much of it in a region, it missed at one budget or more."""
-    problem = held_norm_output(layer_region_forward=layer_region_forward)
+    _assert_own_search_best_at_every_peak(held_norm_output(layer_region_forward=layer_region_forward))
+
+
+def test_dp_counts_a_cached_tensor_the_next_stage_saves_last_once_in_its_backward():
+    """``cached_head_input``: the block's cache of ``x`` keeps it past the layer's backward, whose workspace held it
+    at its peak (``Stage.backward_epochs``); the program takes the layer's backward event 200 bytes lower after
+    that cache, stored or the first stage of a region, as ``simulate`` does, and finds the best plan at every
+    budget. Counting ``x`` twice after either move, it missed at one budget (each)."""
+    _assert_own_search_best_at_every_peak(cached_head_input())
+
+
+def _assert_own_search_best_at_every_peak(problem):
+    """The program's own search (no bound, no second try at a tighter budget) finds the best plan of a chain at
+    every peak some schedule has, and its least peak is the least of them."""
     assert problem.is_chain()
     table = brute_force_table(problem)
     peaks = sorted({peak for peak, _, _ in table})

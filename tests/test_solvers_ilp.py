@@ -29,17 +29,23 @@ def test_encoding_gives_every_schedule_the_simulated_peak(problem):
         assert round(encoded) == simulate(problem, schedule).peak_bytes, schedule
 
 
-def test_encoding_event_values_match_simulate_event_by_event():
-    problem = random_dag(6, 8)
-    schedule = random_schedule(problem, random.Random(3), recompute_share=0.8)
+@pytest.mark.parametrize("problem", [random_dag(6, 8), random_chain(7, 3), random_dag(7, 11, reach=5)],
+                         ids=lambda p: p.name)
+def test_encoding_event_values_match_simulate_event_by_event(problem):
     encoding = Encoding(problem)
-    values = encoding.event_values(encoding.tight_values(schedule))
-    simulated = {(e.phase, e.stage): e.total_bytes for e in simulate(problem, schedule).events}
-    for event, value in zip(encoding.events, values):
-        if (event.phase, event.stage) in simulated:
-            assert round(value) == simulated[event.phase, event.stage], event
-        else:  # a recomputation where no region ends: never above the backward start
-            assert event.phase.value == "recompute"
+    rng = random.Random(3)
+    for _ in range(20):
+        schedule = random_schedule(problem, rng, recompute_share=rng.choice([0.5, 0.8, 1.0]))
+        values = encoding.event_values(encoding.tight_values(schedule))
+        simulated = {(e.phase, e.stage): e.total_bytes for e in simulate(problem, schedule).events}
+        encoded: dict = {}  # a stage's backward is one event per epoch (Stage.backward_epochs): the busiest counts
+        for event, value in zip(encoding.events, values):
+            encoded[event.phase, event.stage] = max(encoded.get((event.phase, event.stage), value), value)
+        for (phase, stage), value in encoded.items():
+            if (phase, stage) in simulated:
+                assert round(value) == simulated[phase, stage], (phase, stage, schedule)
+            else:  # a recomputation where no region ends: never above the backward start
+                assert phase.value == "recompute"
 
 
 def test_groups_sum_tensors_with_identical_rules():

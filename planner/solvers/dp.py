@@ -221,6 +221,10 @@ class _Tables:
     # region (which holds the tensors of the stage before that it reads last as its inputs), STORED, or an option
     # (which may cache some of them); tensors from further back, pinned, count as held
     held_forward: tuple[dict[tuple[int | None, int], int], ...]
+    # per stage, what its backward event needs less when the stage before ended a region with an option (by option)
+    # that caches tensors the stage saves last: alive past its backward, they count once (Stage.backward_workspace_with;
+    # tensors from further back, pinned, are counted as held and their workspace whole: conservative)
+    backward_relief: tuple[dict[int, int], ...]
     optimistic: bool = False  # round what H gains down instead of up: a relaxation, for lower bounds
 
     def units(self, nbytes):
@@ -243,6 +247,11 @@ class _Tables:
         """What stage ``k``'s forward needs more, stored (``option`` STORED) or in a region with ``option``, as the
         first stage of a region (``how`` None) or after stage ``k-1`` ran as ``how`` (STORED or an option)."""
         return self.held_forward[k].get((how, option), 0)
+
+    def relief(self, k: int, how: int) -> int:
+        """What stage ``k``'s backward event needs less after stage ``k-1`` ran as ``how`` (STORED or an option: see
+        ``_Tables.backward_relief``)."""
+        return self.backward_relief[k].get(how, 0)
 
     def stop_skip(self, k: int, option: int) -> float:
         """What a region that caches nothing saves when it ends at stage ``k`` run with ``option`` (see
@@ -287,7 +296,21 @@ def _tables(problem: Problem, unit: int, optimistic: bool = False) -> _Tables:
               for k in range(n)),
         pending, tuple(tuple(o.recompute_seconds for o in s.recompute_options) for s in stages),
         tuple(tuple(s.stop_saving(o) for o in range(len(s.recompute_options))) for s in stages),
-        _held_forward(problem, optimistic), optimistic)
+        _held_forward(problem, optimistic), _backward_relief(problem), optimistic)
+
+
+def _backward_relief(problem: Problem) -> tuple[dict[int, int], ...]:
+    """Per stage, what its backward event needs less by the option the stage before ended a region with (see
+    ``_Tables.backward_relief``)."""
+    n, reliefs = problem.num_stages, []
+    for k, stage in enumerate(problem.stages):
+        names = stage.backward_releasing
+        local = [t for t in problem.tensors if t.name in names and t.producer == k - 1 and _is_local(t, n)]
+        relief = {o: stage.backward_workspace_bytes - stage.backward_workspace_with(
+            {t.name: t.nbytes for t in local if t.node in option.cached_nodes})
+            for o, option in enumerate(problem.stages[k - 1].recompute_options)} if local else {}
+        reliefs.append({o: r for o, r in relief.items() if r})
+    return tuple(reliefs)
 
 
 def _held_forward(problem: Problem, optimistic: bool) -> tuple[dict[tuple[int | None, int], int], ...]:
@@ -857,7 +880,7 @@ def _stored_move(tables: _Tables, i: int, how: int, kind: str) -> tuple[int, int
     forward = tables.fwd_base[i] + held + pend.read_only + tables.sums[i].forward_stored[kind] \
         + tables.held_input_forward(i, how, STORED)
     start = tables.start_base[i] + held + tables.sums[i].saved_self
-    after = tables.after_base[i] + pend.own
+    after = tables.after_base[i] + pend.own - tables.relief(i, how)
     return max(forward, start, after), held
 
 
@@ -872,7 +895,7 @@ def _region_needs(tables: _Tables, i: int, how: int, table: np.ndarray) -> tuple
     pend = tables.pending.get((i, how, "region"), _NOTHING)
     held = pend.own + pend.held_by_next
     forward = tables.fwd_base[i] + held + pend.read_only + table[:, 0]
-    after = tables.after_base[i] + pend.own
+    after = tables.after_base[i] + pend.own - tables.relief(i, how)
     return np.maximum(np.maximum(forward, after), held + table[:, 1]), held + table[:, 2]
 
 

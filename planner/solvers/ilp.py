@@ -50,12 +50,13 @@ every stage (with ``held_inputs[k]``: :meth:`Encoding._held_inputs`); per stage 
 (fixed + later gradients + ``after[.,k+1]`` (``start[.,k]`` for a cached tensor that only its own stage reads:
 ``rerun[k]`` counts it while it lives) + ``rerun[k]``; where ``k`` ends no region this is at most the backward
 start), the backward start (fixed + later gradients + ``start`` + copies) and the backward once done (fixed +
-gradients so far + backward workspace + ``after`` + copies still needed). Objective: the recompute seconds of the
-chosen options, ``Problem.region_seconds`` per region (``sum_k e[k]``), less what a region that caches nothing skips
-by stopping early in its last stage ``k`` (``Stage.stopped_seconds``: ``stops[k] <= e[k]``, ``stops[k] <= 1 -
-caches[k]``, rewarded), and ``Problem.caching_region_seconds`` per region that caches (``caching_end[k] >= e[k] +
-caches[k] - 1``). Tensors with identical rules are summed into one group, and tensors whose liveness no decision
-changes (model outputs, tensors nothing can hold) are constants.
+gradients so far + backward workspace + ``after`` + copies still needed; one per ``Stage.backward_epochs``, less
+the epoch's distance below the workspace and the tensors alive in it whose ``after[g,k]`` is 1). Objective: the
+recompute seconds of the chosen options, ``Problem.region_seconds`` per region (``sum_k e[k]``), less what a region
+that caches nothing skips by stopping early in its last stage ``k`` (``Stage.stopped_seconds``: ``stops[k] <=
+e[k]``, ``stops[k] <= 1 - caches[k]``, rewarded), and ``Problem.caching_region_seconds`` per region that caches
+(``caching_end[k] >= e[k] + caches[k] - 1``). Tensors with identical rules are summed into one group, and tensors
+whose liveness no decision changes (model outputs, tensors nothing can hold) are constants.
 
 :func:`encoded_peak` evaluates this encoding on a given schedule without a solver; the tests check it equals
 ``simulate`` on random schedules, and :func:`solve_ilp` checks it on every solution.
@@ -198,12 +199,16 @@ class _GroupLiveness:
 class _EventTerms:
     """Per stage, the terms each kind of event sums (tensors only; copies, gradients and workspaces come later)."""
 
-    def __init__(self, n: int, problem: Problem):
+    def __init__(self, n: int, problem: Problem, group_of: dict[str, int]):
         self.forward: list[list] = [[problem.fixed_bytes + s.forward_workspace_bytes] for s in problem.stages]
         self.start: list[list] = [[] for _ in range(n)]
         self.after: list[list] = [[] for _ in range(n)]
         self.recompute: list[list] = [[] for _ in range(n)]  # alive at the start, or consumed by this recomputation
         self.held: dict[int, pulp.LpVariable] = {}  # held[g] by group index, where something can hold it
+        # alive once stage k's backward is done, by (group index, k), for the tensors of Stage.backward_epochs
+        self.kept_after: dict[tuple[int, int], pulp.LpVariable | int] = {}
+        self.releasing = {(group_of[name], k) for k, stage in enumerate(problem.stages)
+                          for name in stage.backward_releasing if name in group_of}
 
 
 class Encoding:
@@ -226,6 +231,7 @@ class Encoding:
             self.model += self.share[k] <= self.recomputed(k), f"share_left_{k}"
             self.model += self.share[k] <= self.recomputed(k + 1), f"share_right_{k}"
         self.groups, self.group_of = _grouping(problem)  # group_of: tensor name -> group index
+        self.nbytes = {t.name: t.nbytes for t in problem.tensors}
         self.caches: list = []  # caches[k]: whether k's region caches, up to k (set with the re-run peaks)
         self._stops: dict[int, pulp.LpVariable] = {}
         self.events = self._events()
@@ -513,7 +519,7 @@ class Encoding:
     # events
     def _events(self) -> tuple[Event, ...]:
         problem, n = self.problem, self.problem.num_stages
-        terms = _EventTerms(n, problem)
+        terms = _EventTerms(n, problem, self.group_of)
         for index, g in enumerate(self.groups):
             self._add_group(index, g, terms)
         copies_start, copies_after = self._copy_terms()
@@ -534,9 +540,21 @@ class Encoding:
             events.append(Event(Phase.BACKWARD_START, k, fixed + later_grads + start
                                 + stage.backward_start_workspace_bytes))
             later_grads += stage.grad_bytes
-            events.append(Event(Phase.BACKWARD, k, fixed + later_grads + stage.backward_workspace_bytes
-                                + pulp.lpSum(terms.after[k] + copies_after[k])))
+            after = fixed + later_grads + stage.backward_workspace_bytes + pulp.lpSum(terms.after[k] + copies_after[k])
+            events += [Event(Phase.BACKWARD, k, after - relief) for relief in self._backward_reliefs(k, terms)]
         return tuple(events)
+
+    def _backward_reliefs(self, k: int, terms: "_EventTerms") -> list:
+        """What stage ``k``'s backward event needs less in each of its epochs
+        (:meth:`~planner.problem.Stage.backward_workspace_with`): the epoch's distance below the workspace, and the
+        bytes of the tensors alive in it that the step keeps alive past the stage anyway; one event per epoch."""
+        epochs = self.problem.stages[k].backward_epochs
+        if not epochs:
+            return [0]
+        kept = terms.kept_after
+        return [epoch.below_bytes + pulp.lpSum(self.nbytes[name] * kept[self.group_of[name], k]
+                                               for name in epoch.alive if (self.group_of.get(name), k) in kept)
+                for epoch in epochs]
 
     def _held_inputs(self, k: int, held: dict[int, pulp.LpVariable]) -> pulp.LpVariable | None:
         """What stage ``k``'s forward needs more while tensors it reads last and nothing saves are held
@@ -568,6 +586,8 @@ class Encoding:
                 terms.start[k].append(size)
                 terms.after[k].append(size)
                 terms.recompute[k].append(size)
+                if (index, k) in terms.releasing:
+                    terms.kept_after[index, k] = 1
             return
         live = self._liveness(index, g)
         if live.held_at_all is None:
@@ -581,6 +601,8 @@ class Encoding:
                                 (terms.recompute, live.start_at(k) if consumed_inside else live.after_at(k + 1))):
                 if var is not None:
                     bucket[k].append(size * var)
+            if (index, k) in terms.releasing and (var := live.after_at(k)) is not None:
+                terms.kept_after[index, k] = var
 
     # evaluating the encoding on a schedule, without a solver
     def decision_values(self, schedule: Schedule) -> dict[str, float]:
