@@ -713,7 +713,11 @@ def input_savings(nodes: Sequence[NodeProfile], options: Sequence[frozenset[str]
     :class:`~planner.problem.InputSaving` for each stage that makes some, from the latest: a region starting
     there or earlier made those and the later ones. An option that caches nothing counts the least of that for
     a re-run that runs through and one that stops early after the stage (inputs read from the node it stops at
-    on stay alive until it stops), so that neither is under-counted; one that caches, its own replay.
+    on stay alive until it stops), so that neither is under-counted; one that caches, its own replay. Where a
+    later stage of the region follows, the re-run runs through: what that saves is kept apart where it is more
+    (``InputSaving.through_bytes``). BART's residual add after the cross-attention reads the attention's output
+    last, and its re-run stops at the dropout that reads it: no saving there, 12,288 bytes running through, and a
+    region over the whole decoder layer's first half measured that much under its prediction until it counted.
 
     T5's last decoder block frees the cross-attention bias and the position bias, made by the first decoder
     block, and the encoder's padding mask, made by the encoder's last block: a region from the first decoder
@@ -741,18 +745,20 @@ def input_savings(nodes: Sequence[NodeProfile], options: Sequence[frozenset[str]
         stop_alive = _replayed_alive(run, frozenset(), lambda key: outlives(key) or key in read_later)
         early = {key: size for key, size in inputs.items() if key not in read_later}
     alives = [_replayed_alive(nodes, cached, outlives) for cached in options]
-    savings, most = [], [0] * len(options)
+    savings, most, most_through = [], [0] * len(options), [0] * len(options)
     for since in sinces:
         held = {key for key in inputs if made_by[key] < since}
         for o, (cached, alive) in enumerate(zip(options, alives)):
-            saving = _held_peak(alive, last_reader, inputs, inputs.keys()) \
+            through = _held_peak(alive, last_reader, inputs, inputs.keys()) \
                 - _held_peak(alive, last_reader, inputs, held)
+            saving = through
             if not cached and stopped is not None:
                 saving = min(saving, _held_peak(stop_alive, last_reader, early, early.keys())
                              - _held_peak(stop_alive, last_reader, early, held))
             most[o] = max(most[o], saving)  # a region starting earlier made more: it never holds more
-        savings.append(InputSaving(since, tuple(most)))
-    return tuple(s for s in savings if any(s.option_bytes))
+            most_through[o] = max(most_through[o], through)
+        savings.append(InputSaving(since, tuple(most), tuple(most_through) if most_through != most else ()))
+    return tuple(s for s in savings if any(s.option_bytes) or any(s.through_bytes))
 
 
 def _held_peak(alive: Sequence[int], last_reader: dict[int, int], inputs: dict[int, int],

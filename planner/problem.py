@@ -93,17 +93,27 @@ class InputSaving:
     region starts at or before stage ``since``: that region's re-run made the inputs the stage frees (tensors of
     earlier stages that it reads last and nothing saves) from ``since`` on, and they die inside the stage as in
     the eager step, where its working set holds them as a region holds its inputs. An option the tuple does not
-    reach saves nothing.
+    reach saves nothing. ``option_bytes`` holds wherever the stage is in its region, the last stage of one that
+    stops early after it included; ``through_bytes`` (where it says more) where a later stage of the region
+    follows, so that the stage's re-run runs through (empty: the same).
 
     >>> InputSaving(since=2, option_bytes=(100, 40)).of(1), InputSaving(since=2, option_bytes=(100,)).of(1)
     (40, 0)
+    >>> saving = InputSaving(since=2, option_bytes=(0, 40), through_bytes=(120, 40))
+    >>> saving.of(0), saving.of(0, through=True), saving.of(1, through=True)
+    (0, 120, 40)
     """
 
     since: int
     option_bytes: tuple[int, ...]
+    through_bytes: tuple[int, ...] = ()
 
-    def of(self, option: int) -> int:
-        return self.option_bytes[option] if option < len(self.option_bytes) else 0
+    def of(self, option: int, through: bool = False) -> int:
+        """The saving with ``option``; ``through``: where a later stage of the region follows."""
+        least = self.option_bytes[option] if option < len(self.option_bytes) else 0
+        if through and option < len(self.through_bytes):
+            return max(least, self.through_bytes[option])
+        return least
 
 
 @dataclass(frozen=True)
@@ -606,7 +616,8 @@ class _Rerun:
 
 def input_saving(problem: Problem, region: Region, j: int) -> int:
     """What stage ``j``'s re-run in ``region`` holds less because the region made inputs it frees: the most of
-    its ``Stage.input_savings`` that the region starts early enough for, with its option.
+    its ``Stage.input_savings`` that the region starts early enough for, with its option (what it saves running
+    through where a later stage of the region follows: ``InputSaving.through_bytes``).
 
     >>> stage = Stage("relu", 1.0, 2.0, input_savings=(InputSaving(3, (30, 10)), InputSaving(1, (100, 40))))
     >>> problem = Problem(tuple(Stage(f"s{k}", 1.0, 2.0) for k in range(4)) + (stage,), ())
@@ -614,9 +625,14 @@ def input_saving(problem: Problem, region: Region, j: int) -> int:
     [0, 30, 30, 100, 100]
     >>> input_saving(problem, Region(1, 5, (0, 0, 0, 1)), 4)
     40
+    >>> through = Stage("add", 1.0, 2.0, input_savings=(InputSaving(3, (0,), through_bytes=(30,)),))
+    >>> problem = Problem(problem.stages[:4] + (through, Stage("norm", 1.0, 2.0)), ())
+    >>> input_saving(problem, Region(3, 5), 4), input_saving(problem, Region(3, 6), 4)
+    (0, 30)
     """
-    option = region.option_of(j)
-    return max((s.of(option) for s in problem.stages[j].input_savings if region.start <= s.since), default=0)
+    option, through = region.option_of(j), j < region.stop - 1
+    return max((s.of(option, through) for s in problem.stages[j].input_savings if region.start <= s.since),
+               default=0)
 
 
 def cached_dies_with(tensor: TensorInfo, region: Region) -> int:

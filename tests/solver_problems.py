@@ -80,14 +80,19 @@ def _with_input_savings(stages: list[Stage], tensors: tuple[TensorInfo, ...], un
     out = []
     for k, stage in enumerate(stages):
         rng = random.Random(f"inputs/{name}/{k}")
+        ahead = random.Random(f"through/{name}/{k}")  # drawn apart: what running through saves more
         savings, most = [], [0] * len(stage.recompute_options)
+        most_through = [0] * len(stage.recompute_options)
         for since in sorted(makers[k], reverse=True):
             for o, option in enumerate(stage.recompute_options):
                 room = [stage.recompute_workspace_of(o)] + ([stage.stopped_rerun_bytes] if not option.cached_nodes
                                                             and stage.stopped_rerun_bytes is not None else [])
                 most[o] = max(most[o], min(unit * rng.choice([0, 0, 1, 3]), *room))
-            savings.append(InputSaving(since, tuple(most)))
-        out.append(dataclasses.replace(stage, input_savings=tuple(s for s in savings if any(s.option_bytes)),
+                more = 0 if option.cached_nodes else unit * ahead.choice([0, 0, 2])
+                most_through[o] = max(most_through[o], min(most[o] + more, stage.recompute_workspace_of(o)))
+            savings.append(InputSaving(since, tuple(most), tuple(most_through) if most_through != most else ()))
+        out.append(dataclasses.replace(stage, input_savings=tuple(s for s in savings
+                                                                 if any(s.option_bytes) or any(s.through_bytes)),
                                        **_held_inputs(released[k], unit, f"held/{name}/{k}")))
     return out
 
@@ -271,17 +276,19 @@ def random_schedule(problem: Problem, rng: random.Random, recompute_share: float
     return _build(picks, joined)
 
 
-def bn_relu_conv(blocks=1, conv_workspace=300, relu_held_input=0):
+def bn_relu_conv(blocks=1, conv_workspace=300, relu_held_input=0, through_only=False):
     """Blocks of three stages, as ResNet at sublayer granularity: a BatchNorm whose output only the next stage's
     ReLU reads (nothing saves it), the ReLU (saved by itself and the convolution) and a convolution.
     ``relu_held_input``: what holding the BatchNorm's output adds to the ReLU's re-run (in its recompute workspace),
-    not there when the region made it (``Stage.input_savings``)."""
+    not there when the region made it (``Stage.input_savings``); ``through_only``: only where the convolution
+    follows in the region (``InputSaving.through_bytes``: a re-run stopping after the ReLU saves nothing)."""
     stages, tensors = [], []
     for b in range(blocks):
         k = 3 * b
         last = b == blocks - 1
+        saving = InputSaving(k, (0,), (relu_held_input,)) if through_only else InputSaving(k, (relu_held_input,))
         stages += [Stage(f"bn{b}", 1.0, 2.0), Stage(f"relu{b}", 1.0, 2.0, recompute_workspace_bytes=relu_held_input,
-                                                    input_savings=(InputSaving(k, (relu_held_input,)),)),
+                                                    input_savings=(saving,)),
                    Stage(f"conv{b}", 3.0, 6.0, forward_workspace_bytes=conv_workspace)]
         tensors += [TensorInfo(f"bn{b}", 100, k, frozenset({k + 1}), node=f"bn{b}"),
                     TensorInfo(f"relu{b}", 100, k + 1, frozenset({k + 2}), frozenset({k + 1, k + 2}),

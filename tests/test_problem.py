@@ -84,6 +84,20 @@ def test_a_tensor_nothing_saves_dies_once_its_last_reader_has_re_run():
     assert recompute.total_bytes == 100 + 40 + 300
 
 
+def test_an_input_saving_that_needs_the_re_run_to_go_on_counts_only_where_a_later_stage_follows():
+    """``through_only``: the ReLU's re-run frees the BatchNorm's output only when it runs through (the convolution
+    follows in its region); a region ending at the ReLU stops there, still holding it."""
+    problem = bn_relu_conv(conv_workspace=0, relu_held_input=60, through_only=True)
+
+    def recompute(segments, stage):
+        events = simulate(problem, Schedule.from_segments(segments)).events
+        return max(e.total_bytes for e in events if e.phase is Phase.RECOMPUTE and e.stage == stage)
+
+    assert recompute([(0, 3)], 2) == max(100 + 100, 100 + 40) == 200  # as with the saving anywhere
+    # the ReLU last: it stops once it saved its output, the BatchNorm's output (100) still held, its workspace (60)
+    assert recompute([(0, 2)], 1) == 100 + 100 + 60
+
+
 def test_an_input_the_region_made_is_not_held_through_its_readers_re_run():
     """The ReLU's recompute workspace (60) is what holding the BatchNorm's output adds to it, as when a region
     holds its inputs; a region that made it frees it inside the ReLU as the eager step does."""

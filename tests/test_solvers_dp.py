@@ -57,11 +57,15 @@ def test_dp_frees_what_the_next_stage_re_runs_last_at_every_budget():
         assert plan.predicted_recompute_seconds == brute_force_best(table, budget)
 
 
-def test_dp_counts_a_held_input_only_where_the_region_did_not_make_it():
+@pytest.mark.parametrize("through_only,conv_workspace,held", [(False, 50, 100), (True, 50, 100), (True, 300, 200)],
+                         ids=["anywhere", "through-only", "through-only-wide"])
+def test_dp_counts_a_held_input_only_where_the_region_did_not_make_it(through_only, conv_workspace, held):
     """The ReLU's recompute workspace holds the BatchNorm's output as a region's input would be held; where its own
     region made it, it dies inside the ReLU as in the eager step (``Stage.input_savings``). Without it
-    the program missed the best plan at 2 of the 8 budgets."""
-    problem = bn_relu_conv(blocks=2, conv_workspace=50, relu_held_input=100)
+    the program missed the best plan at 2 of the 8 budgets. ``through_only``: only where the convolution follows
+    in the region (``InputSaving.through_bytes``); counted nowhere, the program missed 2 budgets of the first of
+    those; counted where the ReLU ends its region too, 2 of the second."""
+    problem = bn_relu_conv(blocks=2, conv_workspace=conv_workspace, relu_held_input=held, through_only=through_only)
     table = brute_force_table(problem)
     for budget in sorted({peak for peak, _, _ in table}):
         assert solve_dp(problem, budget).predicted_recompute_seconds == brute_force_best(table, budget)

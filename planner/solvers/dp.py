@@ -156,8 +156,9 @@ class _Rerun:
     caching: tuple[bool, ...]  # whether the option caches anything (its region then runs through)
     freed_by_next: tuple[int, ...]
     # what its re-run holds less, per option, when its region starts at least ``back`` stages before it and so made
-    # inputs it frees: (back, per-option bytes) pairs, from Stage.input_savings (relative: repeated blocks match)
-    input_saving: tuple[tuple[int, tuple[int, ...]], ...]
+    # inputs it frees: (back, per-option bytes, per-option bytes where a later stage of the region follows)
+    # triples, from Stage.input_savings (relative: repeated blocks match)
+    input_saving: tuple[tuple[int, tuple[int, ...], tuple[int, ...]], ...]
 
 
 def _rerun(tensors: tuple[_Local, ...], pinned: tuple[_Pinned, ...], stage: Stage, k: int) -> _Rerun:
@@ -177,7 +178,8 @@ def _rerun(tensors: tuple[_Local, ...], pinned: tuple[_Pinned, ...], stage: Stag
         left.append(kept - consumed - freed_next)
         caching.append(bool(option.cached_nodes))
         freed.append(freed_next)
-    saving = tuple((k - s.since, tuple(s.of(o) for o in range(len(stage.recompute_options))))
+    options = range(len(stage.recompute_options))
+    saving = tuple((k - s.since, tuple(s.of(o) for o in options), tuple(s.of(o, through=True) for o in options))
                    for s in stage.input_savings)
     return _Rerun(tuple(through), tuple(stopped), tuple(left), tuple(caching), tuple(freed), saving)
 
@@ -237,10 +239,11 @@ class _Tables:
     def seconds(self, k: int, option: int) -> float:
         return self.option_seconds[k][option]
 
-    def input_saving(self, k: int, option: int, start: int) -> int:
+    def input_saving(self, k: int, option: int, start: int, through: bool = False) -> int:
         """What stage ``k``'s re-run with ``option`` holds less in a region from ``start`` (see
-        :func:`~planner.problem.input_saving`)."""
-        return max((saving[option] for back, saving in self.sums[k].rerun.input_saving if k - start >= back),
+        :func:`~planner.problem.input_saving`); ``through``: where a later stage of the region follows."""
+        column = 2 if through else 1
+        return max((entry[column][option] for entry in self.sums[k].rerun.input_saving if k - start >= entry[0]),
                    default=0)
 
     def held_input_forward(self, k: int, how: int | None, option: int) -> int:
@@ -353,9 +356,9 @@ def _quantized(sums: _StageSums, unit: int, optimistic: bool) -> _StageSums:
         least = {kind: min(sums.forward_end[o, kind] for o in range(len(sums.cached))) for kind in (*KINDS, NONE)}
         options = len(sums.cached)
         lowest = [(min(values),) * options for values in (sums.rerun.stopped, sums.rerun.stopped, sums.rerun.left)]
-        most = max((max(saving) for _, saving in sums.rerun.input_saving), default=0)
+        most = max((max(ahead) for _, _, ahead in sums.rerun.input_saving), default=0)
         rerun = _Rerun(*lowest, (False,) * options, (min(sums.rerun.freed_by_next),) * options,
-                       ((0, (most,) * options),) if most else ())
+                       ((0, (most,) * options, (most,) * options),) if most else ())
         return dataclasses.replace(sums, cached=tuple(map(whole, sums.cached)),
                                    forward_inner=(min(sums.forward_inner),) * options,
                                    forward_end={key: least[key[1]] for key in sums.forward_end}, rerun=rerun)
@@ -623,7 +626,8 @@ class _Region:
                 continue
             left = point.left + last.rerun.left[o]
             reading = last.rerun.freed_by_next[o]
-            rerun = max(point.rerun, point.left + point.reading + last.rerun.through[o] - t.input_saving(p, o, i))
+            rerun = max(point.rerun, point.left + point.reading + last.rerun.through[o]
+                        - t.input_saving(p, o, i, through=True))
             carried = point.cached + last.forward_from_prev[o]
             so_far = max(point.need, after)
             for o2, forward_base in enumerate(forward_bases):

@@ -37,7 +37,8 @@ Memory (continuous, only bounded from below, since they appear only on the left 
   ``through[j] >= kept_before[j] + kept(j) + workspace(j) + inside_from[j] - saving(j)`` (the moment ``j``
   re-runs, when the re-run goes on past it; ``saving(j)`` sums, over ``j``'s options ``o`` and its
   ``Stage.input_savings`` from the latest ``since``, what each adds to the ones before times
-  ``input_saving[j,o,i] <= w[since,j]``, ``<= x[j,o]``: ``problem.input_saving``). ``rerun[k] >= through[j] +
+  ``input_saving[j,o,i] <= w[since,j]``, ``<= x[j,o]``: ``problem.input_saving``; here, with a later stage of
+  the region after ``j``, ``InputSaving.through_bytes``). ``rerun[k] >= through[j] +
   output_grad_bytes(k) - M (2 - w[j,k] - e[k])`` for every ``j < k``, and ``>=`` the moment of ``k`` itself
   ``- M (1 - e[k])``: as ``through[k]``, but when its region caches nothing it stops after ``k``'s last saving op
   (``Stage.stopped_rerun``; ``runs_on[k] >= gap(k) (caches[k] + x[k,o] - 1)`` adds the rest when the region
@@ -466,8 +467,9 @@ class Encoding:
         kept_before, most_before = self._kept_before(reruns)
         inside_from, most_inside = self._inside_from(reruns)
         saving = [self._input_saving(k) for k in range(n)]
+        saving_through = [self._input_saving(k, through=True) for k in range(n)]
         through = [self._at_least_or_zero(f"through_{j}", [kept_before[j] + self._over_options(j, r.through)
-                                                          + inside_from[j] - saving[j]])
+                                                          + inside_from[j] - saving_through[j]])
                    for j, r in enumerate(reruns)]
         most_through = [b + max(0, max(r.through)) + i for b, r, i in zip(most_before, reruns, most_inside)]
         peaks = []
@@ -485,20 +487,22 @@ class Encoding:
             peaks.append(self.at_least(f"rerun_{k}", bounds))
         return peaks
 
-    def _input_saving(self, k: int) -> Expr | int:
+    def _input_saving(self, k: int, through: bool = False) -> Expr | int:
         """What stage ``k``'s re-run holds less because its region made inputs it frees (``Stage.input_savings``,
         :func:`~planner.problem.input_saving`: the most of those its region starts early enough for): per option
         and saving, from the latest ``since``, what it adds to the ones before, times a variable ``<= w[since,k]``
-        and ``<= x[k,o]``, which a smaller re-run moment pushes up to that."""
+        and ``<= x[k,o]``, which a smaller re-run moment pushes up to that. ``through``: as a stage that a later
+        one of its region follows (``InputSaving.through_bytes``), in the moments of the stages before the last."""
         savings = sorted(self.problem.stages[k].input_savings, key=lambda saving: -saving.since)
-        terms = []
+        terms, kind = [], "through_" if through else ""
         for o, chosen in enumerate(self.choose[k]):
             most = 0
             for index, saving in enumerate(savings):
-                if saving.of(o) > most:
+                if saving.of(o, through) > most:
                     bounds = [self.same_region(saving.since, k), chosen]
-                    terms.append((saving.of(o) - most) * self.at_most(f"input_saving_{k}_{o}_{index}", bounds))
-                    most = saving.of(o)
+                    variable = self.at_most(f"input_saving_{kind}{k}_{o}_{index}", bounds)
+                    terms.append((saving.of(o, through) - most) * variable)
+                    most = saving.of(o, through)
         return pulp.lpSum(terms) if terms else 0
 
     def stops_early(self, k: int) -> pulp.LpVariable | Expr:
