@@ -336,3 +336,22 @@ def cached_head_input():
                TensorInfo("y", 10, 1, frozenset({2}), frozenset({2}), node="y"),
                TensorInfo("head_saved", 2500, 2, frozenset({2}), frozenset({2}), node="head_saved"))
     return Problem(stages, tensors, region_seconds=0.5, name="cached_head_input")
+
+
+def held_layer_chain(head_workspace: int = 0):
+    """Four stages: a norm whose output ``a`` only the layer reads and nothing saves; the layer, whose forward
+    needs 1,200 bytes more while ``a`` is held through it (``Stage.held_inputs``: a region starting there holds it
+    as its input); a cheap middle stage saving 300; a head saving 800 with ``head_workspace`` in its backward.
+    Regions of the layer and the middle stage together start with the layer's forward holding ``a``: the
+    region-start forward of a region longer than one stage. Each region costs 0.5 s."""
+    layer = Stage("layer", 1.0, 2.0, held_inputs=(HeldInputs(frozenset({"a"}), 1200),))
+    stages = (Stage("norm", 5.0, 10.0), layer, Stage("mid", 0.2, 0.4),
+              Stage("head", 1.0, 2.0, backward_workspace_bytes=head_workspace))
+    tensors = (TensorInfo("a", 100, 0, frozenset({1}), node="a"),
+               TensorInfo("norm_saved", 500, 0, frozenset({0}), frozenset({0}), node="norm_saved"),
+               TensorInfo("layer_saved", 300, 1, frozenset({1}), frozenset({1}), node="layer_saved"),
+               TensorInfo("c", 10, 1, frozenset({2}), frozenset({2}), node="c"),
+               TensorInfo("mid_saved", 300, 2, frozenset({2}), frozenset({2}), node="mid_saved"),
+               TensorInfo("d", 10, 2, frozenset({3}), frozenset({3}), node="d"),
+               TensorInfo("head_saved", 800, 3, frozenset({3}), frozenset({3}), node="head_saved"))
+    return Problem(stages, tensors, region_seconds=0.5, name="held_layer_chain")

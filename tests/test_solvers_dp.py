@@ -18,7 +18,8 @@ from planner.solvers.dp import (_bound_unit, _deepening, _Deepened, _focused, _n
                                 chain_relaxation, lower_bound, minimum_peak, relative_gap, solve_dp)
 from planner.solvers.ilp import solve_ilp
 from tests.solver_problems import (bn_relu_conv, brute_force_best, brute_force_table, cached_head_input,
-                                   held_norm_output, layered_chain, random_chain, random_dag, random_schedule)
+                                   held_layer_chain, held_norm_output, layered_chain, random_chain, random_dag,
+                                   random_schedule)
 
 # (5, 6, 2): a cached tensor that only the next stage reads and nothing saves is gone once that stage has
 # re-run (problem.cached_dies_with); counted to the region's end, the program missed the best plan at 4 budgets.
@@ -80,6 +81,15 @@ def test_dp_adds_what_a_held_input_costs_the_forward_of_the_stage_that_reads_it_
     plan at every budget; leaving out any of the three cases, counting it always, or covering none or twice as
     much of it in a region, it missed at one budget or more."""
     _assert_own_search_best_at_every_peak(held_norm_output(layer_region_forward=layer_region_forward))
+
+
+@pytest.mark.parametrize("head_workspace", [0, 2000])
+def test_dp_adds_a_held_input_to_the_first_forward_of_a_longer_region(head_workspace):
+    """``held_layer_chain``: a region of the layer and the middle stage holds the norm's output through the
+    layer's forward, its first (``Stage.held_inputs``), as a region of the layer alone does. The program's own
+    search finds the best plan at every budget; leaving that out of a longer region's first forward, it missed 2
+    budgets (head workspace 0), counting it twice, 3 (head workspace 2,000)."""
+    _assert_own_search_best_at_every_peak(held_layer_chain(head_workspace))
 
 
 def test_dp_counts_a_cached_tensor_the_next_stage_saves_last_once_in_its_backward():
