@@ -698,9 +698,9 @@ def held_input_sets(nodes: Sequence[NodeProfile], inputs: dict[int, int], made: 
     for size in range(1, len(parts) + 1):
         for combination in itertools.combinations(parts, size):
             keys = set().union(*combination)
-            extra = excess(keys)
-            if extra > max((h.excess_bytes for h in sets if h.tensors <= named(keys)), default=0):
-                sets.append(HeldInputs(named(keys), extra))
+            extra, names = excess(keys), named(keys)
+            if extra > max((h.excess_bytes for h in sets if h.tensors <= names), default=0):
+                sets.append(HeldInputs(names, extra))
     return tuple(sets)
 
 

@@ -569,6 +569,17 @@ def liveness(problem: Problem, schedule: Schedule, tensor: TensorInfo) -> _Liven
     return _Liveness(held_from, forward_until, copy_range, consumed_at)
 
 
+def backward_releasers(problem: Problem) -> dict[str, int]:
+    """Each tensor that a stage's backward epochs name (``Stage.backward_epochs``), and that stage: the one that
+    saves it last and frees it inside its eager backward.
+
+    >>> stage = Stage("head", 1.0, 2.0, backward_epochs=(BackwardEpoch(frozenset({"x"})),))
+    >>> backward_releasers(Problem((Stage("block", 1.0, 2.0), stage), ()))
+    {'x': 1}
+    """
+    return {name: k for k, stage in enumerate(problem.stages) for name in stage.backward_releasing}
+
+
 def keeps(tensor: TensorInfo) -> bool:
     """Whether a re-run of ``tensor``'s stage keeps it past the stage (saved, read by a later stage, or a model
     output, held or only returned), unless it is cached; otherwise it dies within the stage. Anything with a
@@ -712,7 +723,7 @@ def simulate(problem: Problem, schedule: Schedule) -> Evaluation:
     held_after = [0] * n  # bytes held once stage k's backward is done
     consumed = [0] * n  # cached bytes the recomputation of the region ending at k consumes
     copies = [0] * n
-    releasing = {name: k for k, stage in enumerate(problem.stages) for name in stage.backward_releasing}
+    releasing = backward_releasers(problem)
     kept_after: list[dict[str, int]] = [{} for _ in range(n)]  # see Stage.backward_workspace_with
     for t in problem.tensors:
         live = liveness(problem, schedule, t)

@@ -64,8 +64,8 @@ import numpy as np
 
 from ..errors import PlannerError
 from ..plan import Plan, SolverStatus, relative_gap
-from ..problem import Problem, Region, Schedule, Stage, TensorInfo, last_rerun_reader, recompute_seconds, \
-    simulate, stage_recompute_seconds
+from ..problem import Problem, Region, Schedule, Stage, TensorInfo, backward_releasers, last_rerun_reader, \
+    recompute_seconds, simulate, stage_recompute_seconds
 from .baselines import chen_sqrt, infeasible_budget_error, store_all, uniform
 from .ilp import unheld_forward_until
 
@@ -305,13 +305,17 @@ def _tables(problem: Problem, unit: int, optimistic: bool = False) -> _Tables:
 def _backward_relief(problem: Problem) -> tuple[dict[int, int], ...]:
     """Per stage, what its backward event needs less by the option the stage before ended a region with (see
     ``_Tables.backward_relief``)."""
-    n, reliefs = problem.num_stages, []
+    n = problem.num_stages
+    releasing = backward_releasers(problem)
+    local: list[list[TensorInfo]] = [[] for _ in range(n)]  # per stage, those the stage before makes
+    for t in problem.tensors:
+        if (k := releasing.get(t.name)) is not None and t.producer == k - 1 and _is_local(t, n):
+            local[k].append(t)
+    reliefs = []
     for k, stage in enumerate(problem.stages):
-        names = stage.backward_releasing
-        local = [t for t in problem.tensors if t.name in names and t.producer == k - 1 and _is_local(t, n)]
         relief = {o: stage.backward_workspace_bytes - stage.backward_workspace_with(
-            {t.name: t.nbytes for t in local if t.node in option.cached_nodes})
-            for o, option in enumerate(problem.stages[k - 1].recompute_options)} if local else {}
+            {t.name: t.nbytes for t in local[k] if t.node in option.cached_nodes})
+            for o, option in enumerate(problem.stages[k - 1].recompute_options)} if local[k] else {}
         reliefs.append({o: r for o, r in relief.items() if r})
     return tuple(reliefs)
 

@@ -91,8 +91,8 @@ import pulp
 
 from ..errors import PlannerError
 from ..plan import Plan, SolverStatus, relative_gap
-from ..problem import (Phase, Problem, Region, Schedule, TensorInfo, dies_after_readers, keeps, last_rerun_reader,
-                       liveness, recompute_seconds, simulate)
+from ..problem import (Phase, Problem, Region, Schedule, TensorInfo, backward_releasers, dies_after_readers, keeps,
+                       last_rerun_reader, liveness, recompute_seconds, simulate)
 from .baselines import chen_sqrt, fewest_blocks, infeasible_budget_error, store_all, uniform
 
 Expr = pulp.LpAffineExpression
@@ -208,8 +208,7 @@ class _EventTerms:
         self.held: dict[int, pulp.LpVariable] = {}  # held[g] by group index, where something can hold it
         # alive once stage k's backward is done, by (group index, k), for the tensors of Stage.backward_epochs
         self.kept_after: dict[tuple[int, int], pulp.LpVariable | int] = {}
-        self.releasing = {(group_of[name], k) for k, stage in enumerate(problem.stages)
-                          for name in stage.backward_releasing if name in group_of}
+        self.releasing = {(group_of[name], k) for name, k in backward_releasers(problem).items() if name in group_of}
 
 
 class Encoding:
