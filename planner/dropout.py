@@ -46,6 +46,8 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from .masks import sdpa_arguments
+
 _LIB = "planner"
 
 # Defined with torch.library.Library rather than torch.library.custom_op: a custom_op call costs 30-50 us of Python
@@ -347,16 +349,11 @@ def _dropout_args(node: fx.Node) -> tuple[fx.Node, float] | None:
     return x, p
 
 
-_SDPA_NAMES = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
-_SDPA_DEFAULTS = (None, None, None, None, 0.0, False, None, False)
-
-
 def _attention_args(node: fx.Node) -> dict | None:
     """Arguments of a CPU ``scaled_dot_product_attention`` with dropout that this pass spells out, else None."""
-    if node.target is not torch.ops.aten.scaled_dot_product_attention.default:
+    call = sdpa_arguments(node)
+    if call is None:
         return None
-    values = list(node.args) + [node.kwargs.get(k, d) for k, d in zip(_SDPA_NAMES, _SDPA_DEFAULTS)][len(node.args):]
-    call = dict(zip(_SDPA_NAMES, values))
     query, key, value, mask = call["query"], call["key"], call["value"], call["attn_mask"]
     if not (isinstance(call["dropout_p"], float) and 0.0 < call["dropout_p"] < 1.0) or call["enable_gqa"]:
         return None

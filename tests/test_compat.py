@@ -295,13 +295,15 @@ def test_a_stage_whose_early_freed_inputs_a_region_holds_is_predicted_from_above
     measured workspace at 0. With the block before it checkpointed, which holds them as its inputs, its forward
     measured 49,152 bytes over the prediction until ``Stage.held_inputs`` counted what its own peak needs beside
     them (``Stage.forward_overcount_bytes`` taken back first). Every forward of that step is now predicted from
-    above, the last block's exactly."""
+    above, the last block's exactly. With a padding mask given (without one the cross-attention bias is a constant
+    that capture drops: :mod:`planner.masks`)."""
     from planner.api import capture_for, planned_module, pose
     from planner.plan import Plan, SolverStatus
     from planner.problem import Phase, Region, Schedule
     from planner.timeline import measure_timeline, predicted_timeline
 
     build, kwargs = ARCHITECTURES["t5"]
+    kwargs = {**kwargs, "attention_mask": torch.ones_like(kwargs["input_ids"])}
     captured = capture_for(build(), (), kwargs, None)
     posed = pose(captured, hold_outputs=False, profile_repeats=0)
     problem = posed.problem

@@ -1,0 +1,210 @@
+"""Attention masks that are constants of the captured shapes, handed back to the attention kernel as what they are.
+
+Hugging Face models call ``scaled_dot_product_attention`` with ``is_causal=True`` and no mask when a batch has no
+padding, but while being exported they cannot know that, so they build the causal mask op by op from ``arange``
+and hand it to the kernel (GPT-2: 36 ops per step making an 8 x 1 x 128 x 128 boolean). A mask rules out the
+kernels that a GPU picks for causal attention without one: flash attention for 16-bit inputs, and the
+memory-efficient kernel without an additive bias for float32. On an H200 the captured GPT-2 stepped 1.09x and
+Llama 1.12x slower than the models as written (``benchmarks/GPU-h200.md``), and a plan for the meta device charged
+the masked kernel (:mod:`planner.meta`).
+
+:func:`drop_constant_masks` finds each mask that no input, parameter, buffer or random draw feeds, works it out on
+the CPU, and when it is the causal mask (``ones(L, S).tril()``, as a boolean or as an additive ``0``/``-inf``
+float) or lets every query see every key, calls the kernel with ``is_causal`` or without a mask instead; the ops
+that built the mask go. The graph is captured for fixed shapes (plans are keyed by them), so the mask is the same
+in every step.
+
+>>> import torch
+>>> class Causal(torch.nn.Module):
+...     def forward(self, x):
+...         visible = torch.ones(x.shape[-2], x.shape[-2], dtype=torch.bool).tril()
+...         return torch.nn.functional.scaled_dot_product_attention(x, x, x, attn_mask=visible)
+>>> graph_module = torch.export.export(Causal(), (torch.randn(1, 2, 8, 4),), strict=False).module()
+>>> drop_constant_masks(graph_module)
+1
+>>> [n.target.__name__ for n in graph_module.graph.nodes if n.op == "call_function"]
+['scaled_dot_product_attention.default']
+>>> next(n for n in graph_module.graph.nodes if n.op == "call_function").kwargs
+{'is_causal': True}
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+SDPA = torch.ops.aten.scaled_dot_product_attention.default
+SDPA_PARAMETERS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+_SDPA_DEFAULTS = (None, None, None, None, 0.0, False, None, False)
+_ASSERT_METADATA = torch.ops.aten._assert_tensor_metadata.default
+_ROWS_AT_A_TIME = 1024
+
+
+def sdpa_arguments(node: fx.Node) -> dict[str, Any] | None:
+    """Every argument of a ``scaled_dot_product_attention`` node by name, defaults included; None for other nodes.
+
+    >>> graph = fx.Graph()
+    >>> q = graph.placeholder("q")
+    >>> node = graph.call_function(SDPA, (q, q, q), {"is_causal": True})
+    >>> arguments = sdpa_arguments(node)
+    >>> arguments["attn_mask"], arguments["is_causal"], arguments["scale"]
+    (None, True, None)
+    """
+    if node.op != "call_function" or node.target is not SDPA:
+        return None
+    given = list(node.args) + [node.kwargs.get(k, d) for k, d in zip(SDPA_PARAMETERS, _SDPA_DEFAULTS)][len(node.args):]
+    return dict(zip(SDPA_PARAMETERS, given))
+
+
+class ImpliedMask(enum.Enum):
+    """What a constant attention mask says, when the kernel can be told it without the mask."""
+
+    EVERY_KEY = "every key"  # every query sees every key: no mask at all
+    CAUSAL = "causal"  # query i sees keys 0..i: is_causal=True
+
+
+def implied_mask(mask: torch.Tensor, queries: int, keys: int) -> ImpliedMask | None:
+    """What ``mask`` (boolean, or additive float) says for ``queries`` x ``keys`` scores, if it says one of the
+    :class:`ImpliedMask` patterns over every leading dimension; else None.
+
+    >>> implied_mask(torch.ones(4, 4, dtype=torch.bool).tril()[None, None].expand(2, 1, 4, 4), 4, 4)
+    <ImpliedMask.CAUSAL: 'causal'>
+    >>> implied_mask(torch.zeros(4, 4).masked_fill(torch.ones(4, 4, dtype=torch.bool).triu(1), float("-inf")), 4, 4)
+    <ImpliedMask.CAUSAL: 'causal'>
+    >>> implied_mask(torch.ones(2, 1, 1, 4, dtype=torch.bool), 4, 4)
+    <ImpliedMask.EVERY_KEY: 'every key'>
+    >>> implied_mask(torch.ones(4, 4, dtype=torch.bool).triu(), 4, 4) is None  # anti-causal: kept
+    True
+    >>> implied_mask(torch.full((4, 4), -1e9).triu(1), 4, 4) is None  # a finite bias is not "hidden"
+    True
+    """
+    if mask.dtype == torch.bool:
+        visible = mask
+    elif mask.is_floating_point() and bool(((mask == 0) | (mask == float("-inf"))).all()):
+        visible = mask == 0
+    else:
+        return None
+    try:
+        visible = visible.expand(torch.broadcast_shapes(visible.shape, (queries, keys)))
+    except RuntimeError:
+        return None
+    if bool(visible.all()):
+        return ImpliedMask.EVERY_KEY
+    columns = torch.arange(keys)
+    for start in range(0, queries, _ROWS_AT_A_TIME):  # a 16k x 16k mask is 256 MiB: no second one beside it
+        rows = torch.arange(start, min(start + _ROWS_AT_A_TIME, queries))
+        causal = columns[None, :] <= rows[:, None]
+        if not torch.equal(visible[..., start:start + len(rows), :], causal.expand_as(visible[..., :len(rows), :])):
+            return None
+    return ImpliedMask.CAUSAL
+
+
+def _builders(mask: fx.Node) -> list[fx.Node] | None:
+    """The nodes that compute ``mask``, in graph order, if they are all pure ops on constants; else None."""
+    seen: set[fx.Node] = set()
+    stack = [mask]
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        if node.op != "call_function" or node.is_impure() or _draws(node.target):
+            return None  # an input, parameter, buffer or random draw: not a constant
+        seen.add(node)
+        stack.extend(node.all_input_nodes)
+    return [n for n in mask.graph.nodes if n in seen]
+
+
+def _draws(target: Any) -> bool:
+    return torch.Tag.nondeterministic_seeded in getattr(target, "tags", ())
+
+
+def _on_cpu(value: Any) -> Any:
+    """``value`` with any device it names replaced by the CPU (a graph captured on meta computes its mask here)."""
+    if isinstance(value, torch.device):
+        return torch.device("cpu")
+    if isinstance(value, (list, tuple)):
+        return type(value)(_on_cpu(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _on_cpu(v) for k, v in value.items()}
+    if isinstance(value, torch.Tensor):
+        return value.cpu()
+    return value
+
+
+def _evaluate(builders: list[fx.Node]) -> Any:
+    """The value of the last of ``builders`` (see :func:`_builders`), computed on the CPU; each value is let go
+    after its last use."""
+    last_use = {arg: i for i, node in enumerate(builders) for arg in node.all_input_nodes}
+    values: dict[fx.Node, Any] = {}
+    for i, node in enumerate(builders):
+        args = fx.node.map_arg(node.args, values.__getitem__)
+        kwargs = fx.node.map_arg(node.kwargs, values.__getitem__)
+        values[node] = node.target(*_on_cpu(args), **_on_cpu(kwargs))
+        for arg in node.all_input_nodes:
+            if last_use[arg] == i:
+                del values[arg]
+    return values[builders[-1]]
+
+
+def _shape(node: Any) -> tuple[int, ...] | None:
+    value = node.meta.get("val") if isinstance(node, fx.Node) else None
+    return tuple(value.shape) if isinstance(value, torch.Tensor) else None
+
+
+def _mask_of(arguments: dict[str, Any]) -> tuple[fx.Node, int, int] | None:
+    """The mask node of an attention call and its scores' shape (queries, keys), if it has a mask node."""
+    mask, query, key = arguments["attn_mask"], _shape(arguments["query"]), _shape(arguments["key"])
+    if not isinstance(mask, fx.Node) or arguments["is_causal"] or query is None or key is None:
+        return None
+    return mask, query[-2], key[-2]
+
+
+def _constant_value(mask: fx.Node) -> tuple[torch.Tensor, list[fx.Node]] | None:
+    """The value of ``mask`` and the nodes that build it, if it is a constant tensor."""
+    builders = _builders(mask)
+    if builders is None:
+        return None
+    try:
+        value = _evaluate(builders)
+    except Exception:  # an op that does not run on the CPU as captured: leave the mask as it is
+        return None
+    return (value, builders) if isinstance(value, torch.Tensor) else None
+
+
+def drop_constant_masks(graph_module: fx.GraphModule) -> int:
+    """Call each ``scaled_dot_product_attention`` whose mask is a causal or see-everything constant with
+    ``is_causal`` or no mask instead, erase the ops that built the masks, and return how many calls changed. See
+    the module's docstring."""
+    graph, changed, builders = graph_module.graph, 0, set()
+    constants: dict[fx.Node, tuple[torch.Tensor, list[fx.Node]] | None] = {}  # each mask worked out once
+    for node in list(graph.nodes):
+        arguments = sdpa_arguments(node)
+        masked = _mask_of(arguments) if arguments is not None else None
+        if masked is None:
+            continue
+        mask, queries, keys = masked
+        if mask not in constants:
+            constants[mask] = _constant_value(mask)
+        implied = implied_mask(constants[mask][0], queries, keys) if constants[mask] is not None else None
+        if implied is None:
+            continue
+        arguments.update(attn_mask=None, is_causal=implied is ImpliedMask.CAUSAL)
+        query, key, value = (arguments.pop(name) for name in ("query", "key", "value"))
+        node.args = (query, key, value)
+        node.kwargs = {k: v for (k, v), default in zip(arguments.items(), _SDPA_DEFAULTS[3:]) if v != default}
+        builders.update(constants[mask][1])
+        changed += 1
+    for node in reversed(list(graph.nodes)):
+        if node not in builders:
+            continue
+        for check in [user for user in node.users if user.target is _ASSERT_METADATA]:
+            graph.erase_node(check)  # export's check of a ``.to()`` result: the mask's dtype, not the model's
+        if not node.users:
+            graph.erase_node(node)
+    if changed:
+        graph.lint()
+        graph_module.recompile()
+    return changed
