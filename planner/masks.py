@@ -118,6 +118,7 @@ def _builders(mask: fx.Node) -> list[fx.Node] | None:
 
 
 def _draws(target: Any) -> bool:
+    """Whether ``target`` draws random numbers (``Node.is_impure`` says so too in recent torch, not in all)."""
     return torch.Tag.nondeterministic_seeded in getattr(target, "tags", ())
 
 
