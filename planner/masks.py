@@ -2,7 +2,7 @@
 
 Hugging Face models call ``scaled_dot_product_attention`` with ``is_causal=True`` and no mask when a batch has no
 padding, but while being exported they cannot know that, so they build the causal mask op by op from ``arange``
-and hand it to the kernel (GPT-2: 36 ops per step making an 8 x 1 x 128 x 128 boolean). A mask rules out the
+and hand it to the kernel (GPT-2: 27 ops a step making an 8 x 1 x 128 x 128 boolean). A mask rules out the
 kernels that a GPU picks for causal attention without one: flash attention for 16-bit inputs, and the
 memory-efficient kernel without an additive bias for float32. On an H200 the captured GPT-2 stepped 1.09x and
 Llama 1.12x slower than the models as written (``benchmarks/GPU-h200.md``), and a plan for the meta device charged
@@ -175,6 +175,23 @@ def _constant_value(mask: fx.Node) -> tuple[torch.Tensor, list[fx.Node]] | None:
     return (value, builders) if isinstance(value, torch.Tensor) else None
 
 
+def _call_without_mask(node: fx.Node, arguments: dict[str, Any], implied: ImpliedMask) -> None:
+    """Make ``node`` call the kernel with what ``implied`` says in place of its mask (non-default keywords only)."""
+    arguments = dict(arguments, attn_mask=None, is_causal=implied is ImpliedMask.CAUSAL)
+    node.args = tuple(arguments.pop(name) for name in ("query", "key", "value"))
+    node.kwargs = {k: v for (k, v), default in zip(arguments.items(), _SDPA_DEFAULTS[3:]) if v != default}
+
+
+def _erase_unused(graph: fx.Graph, nodes: set[fx.Node]) -> None:
+    """Erase those of ``nodes`` that nothing reads any more but export's metadata checks (which go with them)."""
+    for node in reversed(list(graph.nodes)):
+        if node not in nodes or any(user.target is not _ASSERT_METADATA for user in node.users):
+            continue
+        for check in list(node.users):
+            graph.erase_node(check)  # export's check of a ``.to()`` result: the mask's dtype, not the model's
+        graph.erase_node(node)
+
+
 def drop_constant_masks(graph_module: fx.GraphModule) -> int:
     """Call each ``scaled_dot_product_attention`` whose mask is a causal or see-everything constant with
     ``is_causal`` or no mask instead, erase the ops that built the masks, and return how many calls changed. See
@@ -190,21 +207,11 @@ def drop_constant_masks(graph_module: fx.GraphModule) -> int:
         if mask not in constants:
             constants[mask] = _constant_value(mask)
         implied = implied_mask(constants[mask][0], queries, keys) if constants[mask] is not None else None
-        if implied is None:
-            continue
-        arguments.update(attn_mask=None, is_causal=implied is ImpliedMask.CAUSAL)
-        query, key, value = (arguments.pop(name) for name in ("query", "key", "value"))
-        node.args = (query, key, value)
-        node.kwargs = {k: v for (k, v), default in zip(arguments.items(), _SDPA_DEFAULTS[3:]) if v != default}
-        builders.update(constants[mask][1])
-        changed += 1
-    for node in reversed(list(graph.nodes)):
-        if node not in builders:
-            continue
-        for check in [user for user in node.users if user.target is _ASSERT_METADATA]:
-            graph.erase_node(check)  # export's check of a ``.to()`` result: the mask's dtype, not the model's
-        if not node.users:
-            graph.erase_node(node)
+        if implied is not None:
+            _call_without_mask(node, arguments, implied)
+            builders.update(constants[mask][1])
+            changed += 1
+    _erase_unused(graph, builders)
     if changed:
         graph.lint()
         graph_module.recompile()
