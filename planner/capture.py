@@ -29,7 +29,7 @@ from torch.utils._pytree import tree_flatten
 
 from .dropout import replayable_dropout
 from .errors import PlannerError
-from .masks import drop_constant_masks
+from .attention import restore_attention
 
 
 @dataclass(frozen=True)
@@ -313,7 +313,8 @@ def capture(model: torch.nn.Module, example_args: tuple, example_kwargs: dict | 
 
     A Hugging Face model in training is captured with ``use_cache=False`` unless told otherwise
     (:func:`drops_cache`), and attention masks that are constants of the example shapes go back to the kernel as
-    ``is_causal`` or no mask (:func:`planner.masks.drop_constant_masks`), as the model runs them.
+    ``is_causal`` or no mask, and repeated key/value heads as ``enable_gqa``, as the model runs them
+    (:func:`planner.attention.restore_attention`).
 
     Raises :class:`PlannerError` naming the cause when the model does not capture or the inputs do not fit it.
     """
@@ -339,7 +340,7 @@ def capture(model: torch.nn.Module, example_args: tuple, example_kwargs: dict | 
     finally:
         model.train(was_training)
     graph_module, autocast = exported.module(), autocast_state()
-    drop_constant_masks(graph_module)  # a causal mask built op by op: is_causal, as the model runs it
+    restore_attention(graph_module)  # is_causal and enable_gqa where the model passes them, not a mask and copies
     if replay_dropout and not autocast:  # under autocast the attention's math path casts its inputs: one op
         replayable_dropout(graph_module)
     name_layout_copies(graph_module)

@@ -46,7 +46,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from .masks import sdpa_arguments
+from .attention import sdpa_arguments
 
 _LIB = "planner"
 

@@ -108,16 +108,20 @@ def fused_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     (torch.Size([1, 4, 128, 64]), 'ScaledDotProductFlashAttentionBackward0')
     >>> fused_attention(q.float(), q.float(), q.float()).grad_fn.name()
     'ScaledDotProductEfficientAttentionBackward0'
+    >>> shared = torch.empty(1, 2, 128, 64, device="meta", dtype=torch.bfloat16, requires_grad=True)
+    >>> out = fused_attention(q, shared, shared, is_causal=True, enable_gqa=True)  # flash keeps the two heads
+    >>> out.grad_fn.name(), out.grad_fn._saved_key.shape
+    ('ScaledDotProductFlashAttentionBackward0', torch.Size([1, 2, 128, 64]))
     """
     if query.dim() != 4:
         return aten.scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, is_causal, scale=scale,
                                                  enable_gqa=enable_gqa)
-    if enable_gqa and key.size(1) != query.size(1):
-        groups = query.size(1) // key.size(1)
-        key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
-    if attn_mask is None and query.dtype in _HALF and query.size(-1) <= _FLASH_MAX_HEAD_DIM:
+    if attn_mask is None and query.dtype in _HALF and query.size(-1) <= _FLASH_MAX_HEAD_DIM:  # takes grouped heads
         return aten._scaled_dot_product_flash_attention(query, key, value, dropout_p, is_causal, False,
                                                         scale=scale)[0]
+    if enable_gqa and key.size(1) != query.size(1):  # the memory-efficient kernel does not
+        groups = query.size(1) // key.size(1)
+        key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
     bias = None
     if attn_mask is not None:
         shape = (query.size(0), query.size(1), query.size(2), key.size(2))

@@ -296,7 +296,7 @@ def test_a_stage_whose_early_freed_inputs_a_region_holds_is_predicted_from_above
     measured 49,152 bytes over the prediction until ``Stage.held_inputs`` counted what its own peak needs beside
     them (``Stage.forward_overcount_bytes`` taken back first). Every forward of that step is now predicted from
     above, the last block's exactly. With a padding mask given (without one the cross-attention bias is a constant
-    that capture drops: :mod:`planner.masks`)."""
+    that capture drops: :mod:`planner.attention`)."""
     from planner.api import capture_for, planned_module, pose
     from planner.plan import Plan, SolverStatus
     from planner.problem import Phase, Region, Schedule

@@ -1,10 +1,12 @@
-"""Constant attention masks handed back to the kernel as ``is_causal`` or no mask (planner.masks)."""
+"""Attention as the model runs it (planner.attention): constant masks handed back to the kernel as ``is_causal`` or
+no mask, and repeated key/value heads as ``enable_gqa``."""
 
 import pytest
 import torch
 
+from planner.attention import (SDPA, ImpliedMask, drop_constant_masks, group_repeated_heads, implied_mask,
+                                kernel_shares_heads, sdpa_arguments)
 from planner.capture import capture
-from planner.masks import SDPA, ImpliedMask, drop_constant_masks, implied_mask, sdpa_arguments
 
 F = torch.nn.functional
 
@@ -153,3 +155,81 @@ def test_a_graph_captured_on_meta_works_its_mask_out_on_the_cpu():
     captured = capture(model, (ids,), {"labels": ids}, replay_dropout=False)
     calls = _attention_calls(captured.graph_module)
     assert len(calls) == 2 and all(c["attn_mask"] is None and c["is_causal"] for c in calls)
+
+
+class RepeatedHeads(torch.nn.Module):
+    """Grouped-query attention spelled as Hugging Face's ``repeat_kv`` does it: 4 query heads, 2 key/value heads."""
+
+    def __init__(self, dropout_p=0.0, masked=False):
+        super().__init__()
+        self.dropout_p, self.masked = dropout_p, masked
+
+    def forward(self, q, kv):
+        def repeat(x):
+            return x[:, :, None].expand(2, 2, 2, 16, 8).reshape(2, 4, 16, 8)
+        mask = (kv[:, :1, :, :1] > -10).expand(-1, -1, -1, 16) if self.masked else None
+        return F.scaled_dot_product_attention(q, repeat(kv), repeat(kv * 2), attn_mask=mask,
+                                              dropout_p=self.dropout_p, is_causal=not self.masked)
+
+
+def test_repeated_key_and_value_heads_go_to_the_kernel_grouped():
+    q, kv = torch.randn(2, 4, 16, 8), torch.randn(2, 2, 16, 8)
+    graph_module = _exported(RepeatedHeads(), q, kv)
+    assert group_repeated_heads(graph_module) == 1
+    (call,) = _attention_calls(graph_module)
+    assert call["enable_gqa"] and call["is_causal"] and tuple(call["key"].meta["val"].shape) == (2, 2, 16, 8)
+    assert not any(n.target is torch.ops.aten.expand.default for n in graph_module.graph.nodes)  # copies erased
+    torch.testing.assert_close(graph_module(q, kv), RepeatedHeads()(q, kv), rtol=0, atol=1e-6)
+
+
+def test_heads_stay_repeated_under_a_mask_or_dropout_or_a_kernel_that_would_copy_them():
+    q, kv = torch.randn(2, 4, 16, 8), torch.randn(2, 2, 16, 8)
+    for model in (RepeatedHeads(masked=True), RepeatedHeads(dropout_p=0.5)):
+        assert group_repeated_heads(_exported(model, q, kv)) == 0
+    assert kernel_shares_heads(q.to("meta"), kv.to("meta"), kv.to("meta"), True) is False  # float32 on a GPU: math
+
+
+def _mistral(**fields):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.MistralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, **fields)
+    return transformers.MistralForCausalLM(config).train()
+
+
+def test_hugging_face_grouped_query_attention_saves_each_head_once_and_trains_bit_for_bit():
+    """Exported with its mask, Mistral copies each key/value head for both query heads it serves; run as the model
+    runs it (``enable_gqa``), the step saves 2 x 2 x 16 KiB less a layer, and its gradients are the model's to the
+    last bit (3.7e-9 apart with the copies)."""
+    import planner.capture
+    from planner.api import pose
+    model, ids = _mistral(), torch.randint(0, 64, (4, 64))
+    captured = capture(model, (ids,), {"labels": ids})
+    calls = _attention_calls(captured.graph_module)
+    assert len(calls) == 2 and all(c["enable_gqa"] and c["key"].meta["val"].shape[1] == 2 for c in calls)
+    loss = captured.graph_module(ids, labels=ids).loss
+    loss.backward()
+    graph_grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    expected = model(ids, labels=ids).loss
+    expected.backward()
+    assert torch.equal(loss, expected) and all(torch.equal(g, p.grad) for g, p in zip(graph_grads, model.parameters()))
+
+    def saved_bytes(captured):
+        return sum(t.nbytes for t in pose(captured, hold_outputs=False, profile_repeats=0).problem.tensors if t.savers)
+    copied = planner.capture.restore_attention
+    try:
+        planner.capture.restore_attention = drop_constant_masks
+        with_copies = capture(model, (ids,), {"labels": ids})
+    finally:
+        planner.capture.restore_attention = copied
+    assert saved_bytes(with_copies) - saved_bytes(captured) == 2 * 2 * (4 * 2 * 64 * 8 * 4)
+
+
+def test_a_graph_captured_on_meta_groups_heads_for_16_bit_attention_only():
+    for dtype, grouped in ((torch.bfloat16, True), (torch.float32, False)):
+        with torch.device("meta"):
+            model = _mistral().to(dtype)
+        ids = torch.zeros(1, 64, dtype=torch.long, device="meta")
+        captured = capture(model, (ids,), {"labels": ids}, replay_dropout=False)
+        assert all(c["enable_gqa"] is grouped for c in _attention_calls(captured.graph_module)), dtype

@@ -1,4 +1,4 @@
-"""Attention masks that are constants of the captured shapes, handed back to the attention kernel as what they are.
+"""Attention as the model runs it: what export spells out around ``scaled_dot_product_attention`` handed back to it.
 
 Hugging Face models call ``scaled_dot_product_attention`` with ``is_causal=True`` and no mask when a batch has no
 padding, but while being exported they cannot know that, so they build the causal mask op by op from ``arange``
@@ -6,13 +6,17 @@ and hand it to the kernel (GPT-2: 27 ops a step making an 8 x 1 x 128 x 128 bool
 kernels that a GPU picks for causal attention without one: flash attention for 16-bit inputs, and the
 memory-efficient kernel without an additive bias for float32. On an H200 the captured GPT-2 stepped 1.09x and
 Llama 1.12x slower than the models as written (``benchmarks/GPU-h200.md``), and a plan for the meta device charged
-the masked kernel (:mod:`planner.meta`).
+the masked kernel (:mod:`planner.meta`). With a mask, a model with grouped-query attention (fewer key/value heads
+than query heads) also copies each key and value head for every query head it serves (``repeat_kv``) instead of
+letting the kernel share them (``enable_gqa``), and the attention saves the copies for the backward.
 
 :func:`drop_constant_masks` finds each mask that no input, parameter, buffer or random draw feeds, works it out on
 the CPU, and when it is the causal mask (``ones(L, S).tril()``, as a boolean or as an additive ``0``/``-inf``
 float) or lets every query see every key, calls the kernel with ``is_causal`` or without a mask instead; the ops
 that built the mask go. The graph is captured for fixed shapes (plans are keyed by them), so the mask is the same
-in every step.
+in every step. :func:`group_repeated_heads` then hands an unmasked call without dropout its key and value heads
+uncopied with ``enable_gqa``, where the kernel that will run takes them so (:func:`kernel_shares_heads`).
+:func:`restore_attention` runs both; :func:`planner.capture.capture` calls it.
 
 >>> import torch
 >>> class Causal(torch.nn.Module):
@@ -31,6 +35,7 @@ in every step.
 from __future__ import annotations
 
 import enum
+import functools
 from typing import Any
 
 import torch
@@ -41,6 +46,10 @@ SDPA_PARAMETERS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal
 _SDPA_DEFAULTS = (None, None, None, None, 0.0, False, None, False)
 _ASSERT_METADATA = torch.ops.aten._assert_tensor_metadata.default
 _ROWS_AT_A_TIME = 1024
+_aten = torch.ops.aten
+_REPEAT_VIEWS = (_aten.reshape.default, _aten.view.default, _aten._unsafe_view.default)
+_HALF = (torch.float16, torch.bfloat16)
+_FLASH_MAX_HEAD_DIM = 256
 
 
 def sdpa_arguments(node: fx.Node) -> dict[str, Any] | None:
@@ -175,9 +184,10 @@ def _constant_value(mask: fx.Node) -> tuple[torch.Tensor, list[fx.Node]] | None:
     return (value, builders) if isinstance(value, torch.Tensor) else None
 
 
-def _call_without_mask(node: fx.Node, arguments: dict[str, Any], implied: ImpliedMask) -> None:
-    """Make ``node`` call the kernel with what ``implied`` says in place of its mask (non-default keywords only)."""
-    arguments = dict(arguments, attn_mask=None, is_causal=implied is ImpliedMask.CAUSAL)
+def _set_call(node: fx.Node, arguments: dict[str, Any]) -> None:
+    """Make ``node`` call the kernel with ``arguments`` (every one by name): the tensors by position, the rest by
+    keyword where not the default."""
+    arguments = dict(arguments)
     node.args = tuple(arguments.pop(name) for name in ("query", "key", "value"))
     node.kwargs = {k: v for (k, v), default in zip(arguments.items(), _SDPA_DEFAULTS[3:]) if v != default}
 
@@ -208,7 +218,7 @@ def drop_constant_masks(graph_module: fx.GraphModule) -> int:
             constants[mask] = _constant_value(mask)
         implied = implied_mask(constants[mask][0], queries, keys) if constants[mask] is not None else None
         if implied is not None:
-            _call_without_mask(node, arguments, implied)
+            _set_call(node, dict(arguments, attn_mask=None, is_causal=implied is ImpliedMask.CAUSAL))
             builders.update(constants[mask][1])
             changed += 1
     _erase_unused(graph, builders)
@@ -216,3 +226,111 @@ def drop_constant_masks(graph_module: fx.GraphModule) -> int:
         graph.lint()
         graph_module.recompile()
     return changed
+
+
+def repeated_heads(node: Any) -> tuple[fx.Node, int] | None:
+    """``(x, n)`` when ``node`` is ``x`` (batch, heads, sequence, head dim) with each head repeated ``n`` times in
+    place, as Hugging Face's ``repeat_kv`` spells it (``x[:, :, None].expand(b, h, n, s, d).reshape(b, h * n, s,
+    d)``); else None.
+
+    >>> class RepeatKV(torch.nn.Module):
+    ...     def forward(self, x):
+    ...         return x[:, :, None].expand(2, 2, 3, 5, 4).reshape(2, 6, 5, 4)
+    >>> graph = torch.export.export(RepeatKV(), (torch.randn(2, 2, 5, 4),), strict=False).module().graph
+    >>> x, n = repeated_heads(list(graph.nodes)[-2])
+    >>> x.op, n
+    ('placeholder', 3)
+    """
+    if not (isinstance(node, fx.Node) and node.target in _REPEAT_VIEWS):
+        return None
+    expanded = node.args[0]
+    if not (isinstance(expanded, fx.Node) and expanded.target is _aten.expand.default):
+        return None
+    unsqueezed = expanded.args[0]
+    if not (isinstance(unsqueezed, fx.Node) and unsqueezed.target is _aten.unsqueeze.default
+            and unsqueezed.args[1] in (2, -3)):
+        return None
+    x = unsqueezed.args[0]
+    shape, wide, out = _shape(x), _shape(expanded), _shape(node)
+    if shape is None or wide is None or out is None or len(shape) != 4:
+        return None
+    (b, h, s, d), n = shape, wide[2]
+    if wide != (b, h, n, s, d) or out != (b, h * n, s, d):
+        return None
+    return x, n
+
+
+@functools.cache
+def _cpu_kernel_shares_heads() -> bool:
+    """Whether this torch's CPU kernel takes grouped heads as they are (torch 2.13's flash kernel does, saving the
+    key and value uncopied); a kernel that copies them, or the math path, would cost more than the graph's copy."""
+    query = torch.zeros(1, 2, 4, 8, requires_grad=True)
+    shared = torch.zeros(1, 1, 4, 8, requires_grad=True)
+    out = torch.nn.functional.scaled_dot_product_attention(query, shared, shared, is_causal=True, enable_gqa=True)
+    return "FlashAttentionForCpu" in out.grad_fn.name() and out.grad_fn._saved_key.shape == shared.shape
+
+
+def kernel_shares_heads(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, is_causal: bool) -> bool:
+    """Whether the attention kernel that will run an unmasked call without dropout takes ``key`` and ``value`` with
+    fewer heads than ``query`` as they are: on the CPU, if this torch's kernel does; on CUDA, where flash attention
+    can run the call (16-bit inputs, a head dimension up to 256, a recent GPU: the memory-efficient kernel does not
+    take grouped heads, and the math path it falls back to saves every score); on meta, where flash attention would
+    on any GPU that :mod:`planner.devices` knows.
+
+    >>> q, kv = torch.zeros(1, 8, 16, 64, dtype=torch.bfloat16), torch.zeros(1, 2, 16, 64, dtype=torch.bfloat16)
+    >>> kernel_shares_heads(q.to("meta"), kv.to("meta"), kv.to("meta"), True)
+    True
+    >>> kernel_shares_heads(q.float().to("meta"), kv.float().to("meta"), kv.float().to("meta"), True)
+    False
+    """
+    device = query.device.type
+    if device == "cpu":
+        return _cpu_kernel_shares_heads()
+    if device == "meta":
+        return query.dtype in _HALF and key.size(-1) == value.size(-1) <= _FLASH_MAX_HEAD_DIM
+    if device == "cuda":
+        try:
+            params = torch.backends.cuda.SDPAParams(query, key, value, None, 0.0, is_causal, True)
+            return bool(torch.backends.cuda.can_use_flash_attention(params, False))
+        except Exception:  # an older torch, or tensors it cannot judge: keep the graph's copies
+            return False
+    return False
+
+
+def _grouped(arguments: dict[str, Any]) -> tuple[fx.Node, fx.Node] | None:
+    """The key and value heads before their repeat, if the call can take them as they are with ``enable_gqa``."""
+    if arguments["attn_mask"] is not None or arguments["dropout_p"] != 0.0 or arguments["enable_gqa"]:
+        return None
+    key, value = repeated_heads(arguments["key"]), repeated_heads(arguments["value"])
+    if key is None or value is None or key[1] != value[1] or key[1] < 2:
+        return None
+    tensors = [node.meta.get("val") for node in (arguments["query"], key[0], value[0])]
+    if not all(isinstance(t, torch.Tensor) for t in tensors) or tensors[0].size(-3) != tensors[1].size(-3) * key[1]:
+        return None
+    return (key[0], value[0]) if kernel_shares_heads(*tensors, bool(arguments["is_causal"])) else None
+
+
+def group_repeated_heads(graph_module: fx.GraphModule) -> int:
+    """Hand each unmasked ``scaled_dot_product_attention`` without dropout whose key and value heads are repeated
+    copies (:func:`repeated_heads`) the heads themselves with ``enable_gqa``, where the kernel takes them so
+    (:func:`kernel_shares_heads`); erase the copies; return how many calls changed."""
+    graph, changed, copies = graph_module.graph, 0, set()
+    for node in list(graph.nodes):
+        arguments = sdpa_arguments(node)
+        grouped = _grouped(arguments) if arguments is not None else None
+        if grouped is None:
+            continue
+        copies.update(n for name in ("key", "value") for n in (arguments[name], arguments[name].args[0],
+                                                                 arguments[name].args[0].args[0]))
+        _set_call(node, dict(arguments, key=grouped[0], value=grouped[1], enable_gqa=True))
+        changed += 1
+    _erase_unused(graph, copies)
+    if changed:
+        graph.lint()
+        graph_module.recompile()
+    return changed
+
+
+def restore_attention(graph_module: fx.GraphModule) -> int:
+    """:func:`drop_constant_masks`, then :func:`group_repeated_heads`; returns how many calls changed."""
+    return drop_constant_masks(graph_module) + group_repeated_heads(graph_module)
