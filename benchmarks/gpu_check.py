@@ -84,7 +84,8 @@ def verdict(rows: list[Row]) -> str:
 
 
 def build(kind: str, size: str, device: str) -> tuple[torch.nn.Module, tuple, dict]:
-    """A Hugging Face GPT-2 or Llama with random weights on ``device``, and token ids that are also the labels."""
+    """A Hugging Face GPT-2 or Llama (grouped-query attention: a key/value head for every four query heads) with
+    random weights on ``device``, and token ids that are also the labels."""
     import transformers
 
     layers, hidden, heads, inter, vocab, batch, seq, dtype = SIZES[kind][size]
@@ -96,12 +97,31 @@ def build(kind: str, size: str, device: str) -> tuple[torch.nn.Module, tuple, di
         model.loss_type = "ForCausalLM"
     else:
         config = transformers.LlamaConfig(hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
-                                          num_attention_heads=heads, num_key_value_heads=heads,
+                                          num_attention_heads=heads, num_key_value_heads=heads // 4,
                                           max_position_embeddings=seq, **common)
         model = transformers.LlamaForCausalLM(config)
     model = model.to(device=device, dtype=dtype).train()
     ids = torch.randint(0, vocab, (batch, seq), device=device)
     return model, (ids,), {"labels": ids}
+
+
+def attention_summary(graph_module) -> str:
+    """How the captured graph calls its attention kernel (planner.attention hands it what the model as written does).
+
+    >>> import torch.fx as fx
+    >>> from planner.attention import SDPA
+    >>> graph = fx.Graph()
+    >>> q = graph.placeholder("q")
+    >>> _ = graph.call_function(SDPA, (q, q, q), {"is_causal": True, "enable_gqa": True})
+    >>> attention_summary(fx.GraphModule(torch.nn.Module(), graph))
+    'attention: 1 call(s), 1 causal, 1 with grouped heads, 0 with a mask'
+    """
+    from planner.attention import sdpa_arguments
+
+    calls = [a for a in map(sdpa_arguments, graph_module.graph.nodes) if a is not None]
+    return (f"attention: {len(calls)} call(s), {sum(bool(a['is_causal']) for a in calls)} causal, "
+            f"{sum(bool(a['enable_gqa']) for a in calls)} with grouped heads, "
+            f"{sum(a['attn_mask'] is not None for a in calls)} with a mask")
 
 
 def measure(step: Callable[[], None], fixed: list[torch.Tensor], on_cuda: bool,
@@ -169,7 +189,7 @@ def check_model(kind: str, size: str, device: str, *, shares=(1.0, 0.7, 0.5), ma
     posed = pose(captured, loss_fn=lambda o: o.loss, profile_repeats=profile_repeats, hold_outputs=False)
     problem = posed.problem
     out(f"{kind} ({size}, {SIZES[kind][size][-1]}): {problem.num_stages} stages, profiled with {posed.timing} "
-        f"in {time.perf_counter() - start:.1f} s")
+        f"in {time.perf_counter() - start:.1f} s; {attention_summary(captured.graph_module)}")
     fixed = list(model.parameters()) + list(model.buffers()) + list(args)
 
     def step_of(module) -> Callable[[], None]:

@@ -270,30 +270,28 @@ def _cpu_kernel_shares_heads() -> bool:
     return "FlashAttentionForCpu" in out.grad_fn.name() and out.grad_fn._saved_key.shape == shared.shape
 
 
-def kernel_shares_heads(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, is_causal: bool) -> bool:
+def kernel_shares_heads(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
     """Whether the attention kernel that will run an unmasked call without dropout takes ``key`` and ``value`` with
     fewer heads than ``query`` as they are: on the CPU, if this torch's kernel does; on CUDA, where flash attention
-    can run the call (16-bit inputs, a head dimension up to 256, a recent GPU: the memory-efficient kernel does not
-    take grouped heads, and the math path it falls back to saves every score); on meta, where flash attention would
-    on any GPU that :mod:`planner.devices` knows.
+    can run the call (16-bit inputs, a head dimension up to 256, compute capability 8.0 or newer, not ROCm: the
+    memory-efficient kernel does not take grouped heads, and the math path it falls back to saves every score); on
+    meta, where flash attention would on any GPU that :mod:`planner.devices` knows.
 
     >>> q, kv = torch.zeros(1, 8, 16, 64, dtype=torch.bfloat16), torch.zeros(1, 2, 16, 64, dtype=torch.bfloat16)
-    >>> kernel_shares_heads(q.to("meta"), kv.to("meta"), kv.to("meta"), True)
+    >>> kernel_shares_heads(q.to("meta"), kv.to("meta"), kv.to("meta"))
     True
-    >>> kernel_shares_heads(q.float().to("meta"), kv.float().to("meta"), kv.float().to("meta"), True)
+    >>> kernel_shares_heads(q.float().to("meta"), kv.float().to("meta"), kv.float().to("meta"))
     False
     """
     device = query.device.type
     if device == "cpu":
         return _cpu_kernel_shares_heads()
     if device == "meta":
-        return query.dtype in _HALF and key.size(-1) == value.size(-1) <= _FLASH_MAX_HEAD_DIM
-    if device == "cuda":
-        try:
-            params = torch.backends.cuda.SDPAParams(query, key, value, None, 0.0, is_causal, True)
-            return bool(torch.backends.cuda.can_use_flash_attention(params, False))
-        except Exception:  # an older torch, or tensors it cannot judge: keep the graph's copies
-            return False
+        return query.dtype in _HALF and query.size(-1) == key.size(-1) == value.size(-1) <= _FLASH_MAX_HEAD_DIM
+    if device == "cuda":  # flash attention's own conditions (sdp_utils.cpp); on ROCm it does not take groups
+        return (query.dtype in _HALF and query.size(-1) == key.size(-1) == value.size(-1) <= _FLASH_MAX_HEAD_DIM
+                and torch.version.hip is None and torch.backends.cuda.flash_sdp_enabled()
+                and torch.cuda.get_device_capability(query.device) >= (8, 0))
     return False
 
 
@@ -307,7 +305,7 @@ def _grouped(arguments: dict[str, Any]) -> tuple[fx.Node, fx.Node] | None:
     tensors = [node.meta.get("val") for node in (arguments["query"], key[0], value[0])]
     if not all(isinstance(t, torch.Tensor) for t in tensors) or tensors[0].size(-3) != tensors[1].size(-3) * key[1]:
         return None
-    return (key[0], value[0]) if kernel_shares_heads(*tensors, bool(arguments["is_causal"])) else None
+    return (key[0], value[0]) if kernel_shares_heads(*tensors) else None
 
 
 def group_repeated_heads(graph_module: fx.GraphModule) -> int:

@@ -186,7 +186,7 @@ def test_heads_stay_repeated_under_a_mask_or_dropout_or_a_kernel_that_would_copy
     q, kv = torch.randn(2, 4, 16, 8), torch.randn(2, 2, 16, 8)
     for model in (RepeatedHeads(masked=True), RepeatedHeads(dropout_p=0.5)):
         assert group_repeated_heads(_exported(model, q, kv)) == 0
-    assert kernel_shares_heads(q.to("meta"), kv.to("meta"), kv.to("meta"), True) is False  # float32 on a GPU: math
+    assert kernel_shares_heads(q.to("meta"), kv.to("meta"), kv.to("meta")) is False  # float32 on a GPU: math
 
 
 def _mistral(**fields):
