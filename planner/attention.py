@@ -202,6 +202,15 @@ def _erase_unused(graph: fx.Graph, nodes: set[fx.Node]) -> None:
         graph.erase_node(node)
 
 
+def _finished(graph_module: fx.GraphModule, changed: int, replaced: set[fx.Node]) -> int:
+    """Erase what no call reads any more of the ``replaced`` nodes, recompile if a call ``changed``; ``changed``."""
+    _erase_unused(graph_module.graph, replaced)
+    if changed:
+        graph_module.graph.lint()
+        graph_module.recompile()
+    return changed
+
+
 def drop_constant_masks(graph_module: fx.GraphModule) -> int:
     """Call each ``scaled_dot_product_attention`` whose mask is a causal or see-everything constant with
     ``is_causal`` or no mask instead, erase the ops that built the masks, and return how many calls changed. See
@@ -221,11 +230,7 @@ def drop_constant_masks(graph_module: fx.GraphModule) -> int:
             _set_call(node, dict(arguments, attn_mask=None, is_causal=implied is ImpliedMask.CAUSAL))
             builders.update(constants[mask][1])
             changed += 1
-    _erase_unused(graph, builders)
-    if changed:
-        graph.lint()
-        graph_module.recompile()
-    return changed
+    return _finished(graph_module, changed, builders)
 
 
 def repeated_heads(node: Any) -> tuple[fx.Node, int] | None:
@@ -322,11 +327,7 @@ def group_repeated_heads(graph_module: fx.GraphModule) -> int:
                                                                  arguments[name].args[0].args[0]))
         _set_call(node, dict(arguments, key=grouped[0], value=grouped[1], enable_gqa=True))
         changed += 1
-    _erase_unused(graph, copies)
-    if changed:
-        graph.lint()
-        graph_module.recompile()
-    return changed
+    return _finished(graph_module, changed, copies)
 
 
 def restore_attention(graph_module: fx.GraphModule) -> int:
