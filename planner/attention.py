@@ -41,12 +41,12 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-SDPA = torch.ops.aten.scaled_dot_product_attention.default
+_aten = torch.ops.aten
+SDPA = _aten.scaled_dot_product_attention.default
 SDPA_PARAMETERS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 _SDPA_DEFAULTS = (None, None, None, None, 0.0, False, None, False)
-_ASSERT_METADATA = torch.ops.aten._assert_tensor_metadata.default
+_ASSERT_METADATA = _aten._assert_tensor_metadata.default
 _ROWS_AT_A_TIME = 1024
-_aten = torch.ops.aten
 _REPEAT_VIEWS = (_aten.reshape.default, _aten.view.default, _aten._unsafe_view.default)
 _HALF = (torch.float16, torch.bfloat16)
 _FLASH_MAX_HEAD_DIM = 256
