@@ -2,6 +2,8 @@
 
     python -m benchmarks.meta_7b                      # 7B: hidden 4096, 32 layers, 32 heads, seq 4096, batch 1, bf16
     python -m benchmarks.meta_7b --budgets 80GB,40GB,30GB --device h100 --dtype float32
+    python -m benchmarks.meta_7b --kv_heads 8 --intermediate 14336 --vocab 128256 --seq 8192 --budgets 80GB
+                                                      # the Llama-3-8B shape: grouped-query attention
     planner plan benchmarks/meta_7b.py:llama_7b --device h100 --budget 80GB      # the same model from the CLI
 
 Nothing is allocated: the model is built under ``with torch.device("meta")``, times come from the device's roofline
@@ -17,16 +19,17 @@ import time
 
 import torch
 
-LLAMA_7B = dict(hidden=4096, layers=32, heads=32, intermediate=11008, vocab=32000, seq=4096, batch=1)
+LLAMA_7B = dict(hidden=4096, layers=32, heads=32, kv_heads=32, intermediate=11008, vocab=32000, seq=4096, batch=1)
 
 
 def llama(*, hidden: int, layers: int, heads: int, intermediate: int, vocab: int, seq: int, batch: int,
-          dtype: torch.dtype = torch.bfloat16) -> tuple[torch.nn.Module, tuple, dict]:
-    """A Hugging Face Llama of this shape on the meta device, and meta token ids (also the labels)."""
+          kv_heads: int | None = None, dtype: torch.dtype = torch.bfloat16) -> tuple[torch.nn.Module, tuple, dict]:
+    """A Hugging Face Llama of this shape on the meta device (``kv_heads`` key/value heads, ``heads`` if None), and
+    meta token ids (also the labels)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
-                         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
+                         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads or heads,
                          max_position_embeddings=seq, use_cache=False, bos_token_id=0, eos_token_id=0)
     with torch.device("meta"):
         model = LlamaForCausalLM(config).to(dtype).train()
