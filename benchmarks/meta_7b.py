@@ -19,7 +19,7 @@ import time
 
 import torch
 
-LLAMA_7B = dict(hidden=4096, layers=32, heads=32, kv_heads=32, intermediate=11008, vocab=32000, seq=4096, batch=1)
+LLAMA_7B = dict(hidden=4096, layers=32, heads=32, intermediate=11008, vocab=32000, seq=4096, batch=1)
 
 
 def llama(*, hidden: int, layers: int, heads: int, intermediate: int, vocab: int, seq: int, batch: int,
@@ -104,12 +104,13 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     for key, value in LLAMA_7B.items():
         parser.add_argument(f"--{key}", type=int, default=value)
+    parser.add_argument("--kv_heads", type=int, default=None, help="key/value heads (default: --heads)")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     parser.add_argument("--device", default="h100")
     parser.add_argument("--budgets", default="80GB,40GB,30GB")
     parser.add_argument("--solver", default="auto")
     args = parser.parse_args(argv)
-    shape = {key: getattr(args, key) for key in LLAMA_7B}
+    shape = {key: getattr(args, key) for key in LLAMA_7B} | {"kv_heads": args.kv_heads}
     budgets = [b.strip() for b in args.budgets.split(",") if b.strip()]
     return run(shape, getattr(torch, args.dtype), args.device, budgets, args.solver)
 
