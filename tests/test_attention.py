@@ -199,8 +199,8 @@ def _mistral(**fields):
 
 def test_hugging_face_grouped_query_attention_saves_each_head_once_and_trains_bit_for_bit():
     """Exported with its mask, Mistral copies each key/value head for both query heads it serves; run as the model
-    runs it (``enable_gqa``), the step saves 2 x 2 x 16 KiB less a layer, and its gradients are the model's to the
-    last bit (3.7e-9 apart with the copies)."""
+    runs it (``enable_gqa``), the step saves 2 x 16 KiB less a layer (its key and value), and its gradients are the
+    model's to the last bit (3.7e-9 apart with the copies)."""
     import planner.capture
     from planner.api import pose
     model, ids = _mistral(), torch.randint(0, 64, (4, 64))
