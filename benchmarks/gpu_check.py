@@ -116,9 +116,9 @@ def attention_summary(graph_module) -> str:
     >>> attention_summary(fx.GraphModule(torch.nn.Module(), graph))
     'attention: 1 call(s), 1 causal, 1 with grouped heads, 0 with a mask'
     """
-    from planner.attention import sdpa_arguments
+    from planner.attention import attention_calls
 
-    calls = [a for a in map(sdpa_arguments, graph_module.graph.nodes) if a is not None]
+    calls = attention_calls(graph_module)
     return (f"attention: {len(calls)} call(s), {sum(bool(a['is_causal']) for a in calls)} causal, "
             f"{sum(bool(a['enable_gqa']) for a in calls)} with grouped heads, "
             f"{sum(a['attn_mask'] is not None for a in calls)} with a mask")

@@ -68,6 +68,11 @@ def sdpa_arguments(node: fx.Node) -> dict[str, Any] | None:
     return dict(zip(SDPA_PARAMETERS, given))
 
 
+def attention_calls(graph_module: fx.GraphModule) -> list[dict[str, Any]]:
+    """The arguments (:func:`sdpa_arguments`) of each ``scaled_dot_product_attention`` call in ``graph_module``."""
+    return [arguments for arguments in map(sdpa_arguments, graph_module.graph.nodes) if arguments is not None]
+
+
 class ImpliedMask(enum.Enum):
     """What a constant attention mask says, when the kernel can be told it without the mask."""
 
@@ -131,28 +136,21 @@ def _draws(target: Any) -> bool:
     return torch.Tag.nondeterministic_seeded in getattr(target, "tags", ())
 
 
-def _on_cpu(value: Any) -> Any:
-    """``value`` with any device it names replaced by the CPU (a graph captured on meta computes its mask here)."""
-    if isinstance(value, torch.device):
-        return torch.device("cpu")
-    if isinstance(value, (list, tuple)):
-        return type(value)(_on_cpu(v) for v in value)
-    if isinstance(value, dict):
-        return {k: _on_cpu(v) for k, v in value.items()}
-    if isinstance(value, torch.Tensor):
-        return value.cpu()
-    return value
-
-
 def _evaluate(builders: list[fx.Node]) -> Any:
-    """The value of the last of ``builders`` (see :func:`_builders`), computed on the CPU; each value is let go
-    after its last use."""
+    """The value of the last of ``builders`` (see :func:`_builders`), computed on the CPU (a graph captured on meta
+    computes its mask here: every device an op names becomes the CPU); each value is let go after its last use."""
     last_use = {arg: i for i, node in enumerate(builders) for arg in node.all_input_nodes}
     values: dict[fx.Node, Any] = {}
+
+    def on_cpu(value: Any) -> Any:
+        if isinstance(value, fx.Node):
+            return values[value]
+        if isinstance(value, torch.device):
+            return torch.device("cpu")
+        return value.cpu() if isinstance(value, torch.Tensor) else value
     for i, node in enumerate(builders):
-        args = fx.node.map_arg(node.args, values.__getitem__)
-        kwargs = fx.node.map_arg(node.kwargs, values.__getitem__)
-        values[node] = node.target(*_on_cpu(args), **_on_cpu(kwargs))
+        values[node] = node.target(*fx.node.map_aggregate(node.args, on_cpu),
+                                   **fx.node.map_aggregate(node.kwargs, on_cpu))
         for arg in node.all_input_nodes:
             if last_use[arg] == i:
                 del values[arg]

@@ -4,15 +4,11 @@ no mask, and repeated key/value heads as ``enable_gqa``."""
 import pytest
 import torch
 
-from planner.attention import (SDPA, ImpliedMask, drop_constant_masks, group_repeated_heads, implied_mask,
-                                kernel_shares_heads, sdpa_arguments)
+from planner.attention import (SDPA, ImpliedMask, attention_calls, drop_constant_masks, group_repeated_heads,
+                                implied_mask, kernel_shares_heads)
 from planner.capture import capture
 
 F = torch.nn.functional
-
-
-def _attention_calls(graph_module):
-    return [sdpa_arguments(n) for n in graph_module.graph.nodes if sdpa_arguments(n) is not None]
 
 
 def _exported(model, *args):
@@ -65,7 +61,7 @@ def test_a_constant_causal_or_see_everything_mask_becomes_the_kernel_flag_and_co
     model, x = MaskedAttention(make_mask), torch.randn(2, 2, 16, 8)
     graph_module = _exported(model, x)
     assert drop_constant_masks(graph_module) == 1
-    (call,) = _attention_calls(graph_module)
+    (call,) = attention_calls(graph_module)
     assert call["attn_mask"] is None and call["is_causal"] is (implied is ImpliedMask.CAUSAL)
     assert [n.target for n in graph_module.graph.nodes if n.op == "call_function"][-1] is SDPA  # builders erased
     assert sum(n.op == "call_function" for n in graph_module.graph.nodes) == 2  # linear and attention
@@ -79,7 +75,7 @@ def test_masks_that_are_not_constant_or_say_something_else_stay():
         before = len(graph_module.graph.nodes)
         assert drop_constant_masks(graph_module) == 0, make_mask.__name__
         assert len(graph_module.graph.nodes) == before
-        assert _attention_calls(graph_module)[0]["attn_mask"] is not None
+        assert attention_calls(graph_module)[0]["attn_mask"] is not None
 
 
 def test_a_mask_held_as_a_buffer_stays():
@@ -123,7 +119,7 @@ def test_hugging_face_gpt2_runs_its_attention_as_written_and_trains_bit_for_bit(
     model = transformers.GPT2LMHeadModel(config).train()
     ids = torch.randint(0, 64, (2, 32))
     captured = capture(model, (ids,), {"labels": ids})
-    calls = _attention_calls(captured.graph_module)
+    calls = attention_calls(captured.graph_module)
     assert len(calls) == 2 and all(c["attn_mask"] is None and c["is_causal"] for c in calls)
     assert not any(n.target is torch.ops.aten.le.Tensor for n in captured.compute_nodes())
     graph_loss = captured.graph_module(ids, labels=ids).loss
@@ -142,7 +138,7 @@ def test_padding_given_as_an_input_keeps_its_mask():
     ids = torch.randint(0, 64, (2, 32))
     captured = capture(transformers.GPT2LMHeadModel(config).train(), (ids,),
                        {"attention_mask": torch.ones_like(ids), "labels": ids})
-    assert all(c["attn_mask"] is not None for c in _attention_calls(captured.graph_module))
+    assert all(c["attn_mask"] is not None for c in attention_calls(captured.graph_module))
 
 
 def test_a_graph_captured_on_meta_works_its_mask_out_on_the_cpu():
@@ -153,7 +149,7 @@ def test_a_graph_captured_on_meta_works_its_mask_out_on_the_cpu():
         model = transformers.LlamaForCausalLM(config).train()
     ids = torch.zeros(1, 64, dtype=torch.long, device="meta")
     captured = capture(model, (ids,), {"labels": ids}, replay_dropout=False)
-    calls = _attention_calls(captured.graph_module)
+    calls = attention_calls(captured.graph_module)
     assert len(calls) == 2 and all(c["attn_mask"] is None and c["is_causal"] for c in calls)
 
 
@@ -176,7 +172,7 @@ def test_repeated_key_and_value_heads_go_to_the_kernel_grouped():
     q, kv = torch.randn(2, 4, 16, 8), torch.randn(2, 2, 16, 8)
     graph_module = _exported(RepeatedHeads(), q, kv)
     assert group_repeated_heads(graph_module) == 1
-    (call,) = _attention_calls(graph_module)
+    (call,) = attention_calls(graph_module)
     assert call["enable_gqa"] and call["is_causal"] and tuple(call["key"].meta["val"].shape) == (2, 2, 16, 8)
     assert not any(n.target is torch.ops.aten.expand.default for n in graph_module.graph.nodes)  # copies erased
     torch.testing.assert_close(graph_module(q, kv), RepeatedHeads()(q, kv), rtol=0, atol=1e-6)
@@ -205,7 +201,7 @@ def test_hugging_face_grouped_query_attention_saves_each_head_once_and_trains_bi
     from planner.api import pose
     model, ids = _mistral(), torch.randint(0, 64, (4, 64))
     captured = capture(model, (ids,), {"labels": ids})
-    calls = _attention_calls(captured.graph_module)
+    calls = attention_calls(captured.graph_module)
     assert len(calls) == 2 and all(c["enable_gqa"] and c["key"].meta["val"].shape[1] == 2 for c in calls)
     loss = captured.graph_module(ids, labels=ids).loss
     loss.backward()
@@ -232,4 +228,4 @@ def test_a_graph_captured_on_meta_groups_heads_for_16_bit_attention_only():
             model = _mistral().to(dtype)
         ids = torch.zeros(1, 64, dtype=torch.long, device="meta")
         captured = capture(model, (ids,), {"labels": ids}, replay_dropout=False)
-        assert all(c["enable_gqa"] is grouped for c in _attention_calls(captured.graph_module)), dtype
+        assert all(c["enable_gqa"] is grouped for c in attention_calls(captured.graph_module)), dtype
