@@ -58,7 +58,7 @@ import time
 from dataclasses import dataclass
 from collections import Counter
 from functools import lru_cache, reduce
-from typing import Callable, NamedTuple
+from typing import Callable, NamedTuple, Sequence
 
 import numpy as np
 
@@ -313,11 +313,16 @@ def _backward_relief(problem: Problem) -> tuple[dict[int, int], ...]:
             local[k].append(t)
     reliefs = []
     for k, stage in enumerate(problem.stages):
-        relief = {o: stage.backward_workspace_bytes - stage.backward_workspace_with(
-            {t.name: t.nbytes for t in local[k] if t.node in option.cached_nodes})
-            for o, option in enumerate(problem.stages[k - 1].recompute_options)} if local[k] else {}
-        reliefs.append({o: r for o, r in relief.items() if r})
+        relief = [stage.backward_workspace_bytes - stage.backward_workspace_with(cached)
+                  for cached in _cached_before(problem, k, local[k])] if local[k] else []
+        reliefs.append({o: r for o, r in enumerate(relief) if r})
     return tuple(reliefs)
+
+
+def _cached_before(problem: Problem, k: int, tensors: Sequence[TensorInfo]) -> list[dict[str, int]]:
+    """Per option of stage ``k - 1``, those of ``tensors`` (its own) that it caches: their names and bytes."""
+    return [{t.name: t.nbytes for t in tensors if t.node in option.cached_nodes}
+            for option in problem.stages[k - 1].recompute_options]
 
 
 def _held_forward(problem: Problem, optimistic: bool) -> tuple[dict[tuple[int | None, int], int], ...]:
@@ -325,25 +330,24 @@ def _held_forward(problem: Problem, optimistic: bool) -> tuple[dict[tuple[int | 
     ``_Tables.held_forward``, ``simulate``); a relaxation (``optimistic``) takes the least over the options of the
     stage before."""
     n = problem.num_stages
-    local: list[set[str]] = [set() for _ in range(n)]
+    local: list[list[TensorInfo]] = [[] for _ in range(n)]
     far: list[set[str]] = [set() for _ in range(n)]
-    node_of: dict[str, str] = {}
     for t in problem.tensors:
         if (reader := last_rerun_reader(t)) is not None:
-            (local if _is_local(t, n) else far)[reader].add(t.name)
-            node_of[t.name] = t.node
+            if _is_local(t, n):
+                local[reader].append(t)
+            else:
+                far[reader].add(t.name)
     tables = []
     for k, stage in enumerate(problem.stages):
         if not stage.held_inputs or k == 0:
             tables.append({})
             continue
-        options = problem.stages[k - 1].recompute_options
-        cached = [far[k] | {name for name in local[k] if node_of[name] in option.cached_nodes} for option in options]
-        by_option = [stage.held_input_forward(held) for held in cached]
+        by_option = [stage.held_input_forward(far[k] | set(cached)) for cached in _cached_before(problem, k, local[k])]
         if optimistic:
             by_option = [min(by_option)] * len(by_option)
-        by_how = {None: stage.held_input_forward(local[k] | far[k]), STORED: stage.held_input_forward(far[k]),
-                  **dict(enumerate(by_option))}
+        by_how = {None: stage.held_input_forward(far[k] | {t.name for t in local[k]}),
+                  STORED: stage.held_input_forward(far[k]), **dict(enumerate(by_option))}
         own = {STORED: 0, **{o: stage.forward_extra_of(o) for o in range(len(stage.recompute_options))}}
         tables.append({(how, o): held - extra for how, held in by_how.items() for o, extra in own.items()
                        if held > extra})
