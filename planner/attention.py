@@ -41,6 +41,8 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from .meta import flash_attention_runs
+
 _aten = torch.ops.aten
 SDPA = _aten.scaled_dot_product_attention.default
 SDPA_PARAMETERS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
@@ -48,8 +50,6 @@ _SDPA_DEFAULTS = (None, None, None, None, 0.0, False, None, False)
 _ASSERT_METADATA = _aten._assert_tensor_metadata.default
 _ROWS_AT_A_TIME = 1024
 _REPEAT_VIEWS = (_aten.reshape.default, _aten.view.default, _aten._unsafe_view.default)
-_HALF = (torch.float16, torch.bfloat16)
-_FLASH_MAX_HEAD_DIM = 256
 
 
 def sdpa_arguments(node: fx.Node) -> dict[str, Any] | None:
@@ -289,11 +289,11 @@ def kernel_shares_heads(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     device = query.device.type
     if device == "cpu":
         return _cpu_kernel_shares_heads()
+    flash = flash_attention_runs(query) and query.size(-1) == key.size(-1) == value.size(-1)
     if device == "meta":
-        return query.dtype in _HALF and query.size(-1) == key.size(-1) == value.size(-1) <= _FLASH_MAX_HEAD_DIM
+        return flash
     if device == "cuda":  # flash attention's own conditions (sdp_utils.cpp); on ROCm it does not take groups
-        return (query.dtype in _HALF and query.size(-1) == key.size(-1) == value.size(-1) <= _FLASH_MAX_HEAD_DIM
-                and torch.version.hip is None and torch.backends.cuda.flash_sdp_enabled()
+        return (flash and torch.version.hip is None and torch.backends.cuda.flash_sdp_enabled()
                 and torch.cuda.get_device_capability(query.device) >= (8, 0))
     return False
 

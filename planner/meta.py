@@ -96,6 +96,18 @@ def _bias_from_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(mask.logical_not(), float("-inf"))
 
 
+def flash_attention_runs(query: torch.Tensor, attn_mask: torch.Tensor | None = None) -> bool:
+    """Whether CUDA runs an attention call on ``query`` with flash attention: 16-bit inputs without a mask, a head
+    dimension up to 256 (:func:`fused_attention` stands in for it on meta; it takes grouped key/value heads).
+
+    >>> flash_attention_runs(torch.empty(1, 8, 128, 64, dtype=torch.bfloat16, device="meta"))
+    True
+    >>> flash_attention_runs(torch.empty(1, 8, 128, 64, device="meta"))
+    False
+    """
+    return attn_mask is None and query.dtype in _HALF and query.size(-1) <= _FLASH_MAX_HEAD_DIM
+
+
 def fused_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0, is_causal: bool = False,
                     scale: float | None = None, enable_gqa: bool = False) -> torch.Tensor:
@@ -116,7 +128,7 @@ def fused_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     if query.dim() != 4:
         return aten.scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, is_causal, scale=scale,
                                                  enable_gqa=enable_gqa)
-    if attn_mask is None and query.dtype in _HALF and query.size(-1) <= _FLASH_MAX_HEAD_DIM:  # takes grouped heads
+    if flash_attention_runs(query, attn_mask):  # takes grouped heads
         return aten._scaled_dot_product_flash_attention(query, key, value, dropout_p, is_causal, False,
                                                         scale=scale)[0]
     if enable_gqa and key.size(1) != query.size(1):  # the memory-efficient kernel does not
