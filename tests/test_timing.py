@@ -104,11 +104,18 @@ def _recorder(log: list, name: str):
     return lambda: log.append(name)
 
 
-def test_interleaved_rounds_warm_up_once_and_rotate_the_order():
+def test_interleaved_rounds_warm_up_once_then_draw_each_rounds_order():
     log: list[str] = []
-    samples = interleaved_rounds({k: _recorder(log, k) for k in "abc"}, 3)
-    assert [len(s) for s in samples.values()] == [3, 3, 3]
-    assert log == list("abc" "bca" "cab" "abc")  # round 0 warms up; round r starts with the r-th step
+    samples = interleaved_rounds({k: _recorder(log, k) for k in "abcd"}, 12)
+    assert [len(s) for s in samples.values()] == [12] * 4
+    rounds = ["".join(log[i:i + 4]) for i in range(0, len(log), 4)]
+    assert rounds[0] == "abcd" and all(sorted(r) == list("abcd") for r in rounds)  # round 0 warms up in order
+    assert len(set(rounds[1:])) > 3
+    followed = {(a, b) for a, b in zip(log, log[1:]) if a != b}
+    assert len(followed) == 12  # every step timed right after every other one at some point
+    again: list[str] = []
+    interleaved_rounds({k: _recorder(again, k) for k in "abcd"}, 12)
+    assert again == log  # the same orders each time (a seed), so a report can be run again as it was
 
 
 def test_interleaved_rounds_add_rounds_until_enough_or_out_of_time():
