@@ -591,24 +591,29 @@ def _measure(one_step, num_stages: int, repeats: int, stopwatch: Stopwatch, on_c
 
 
 def paired_step_seconds(steps: dict[str, Callable[[], None]], repeats: int, baseline: str, *,
-                        tolerance: float = 0.0, max_rounds: int = 0, max_seconds: float = float("inf")
-                        ) -> dict[str, Estimate]:
-    """Seconds each step function takes beyond ``baseline``'s: the median over interleaved rounds
-    (:func:`~planner.timing.interleaved_rounds`) of the difference within each round, so that drifts in the
-    machine's speed between rounds cancel, with its standard error; ``baseline`` itself maps to its median.
+                        paired_with: Mapping[str, str] | None = None, tolerance: float = 0.0, max_rounds: int = 0,
+                        max_seconds: float = float("inf")) -> dict[str, Estimate]:
+    """Seconds each step function takes beyond ``baseline``'s (or beyond the step ``paired_with`` names for it):
+    the median over interleaved rounds (:func:`~planner.timing.interleaved_rounds`) of the difference within each
+    round, so that drifts in the machine's speed between rounds cancel, with its standard error; ``baseline``
+    itself maps to its median.
 
     After ``repeats`` rounds, more rounds follow (up to ``max_rounds`` in all, within ``max_seconds``) while the
     standard error of any median difference exceeds ``tolerance`` times the baseline's median.
 
     >>> import time
-    >>> steps = {"eager": lambda: None, "slow": lambda: time.sleep(0.002)}
-    >>> seconds = paired_step_seconds(steps, 3, "eager")
+    >>> steps = {"eager": lambda: None, "slow": lambda: time.sleep(0.002), "slower": lambda: time.sleep(0.006)}
+    >>> seconds = paired_step_seconds(steps, 3, "eager", paired_with={"slower": "slow"})
     >>> seconds["eager"].median < 0.001 < 0.0019 < seconds["slow"].median < 0.05
     True
+    >>> 0.002 < seconds["slower"].median < 0.05  # beyond "slow"
+    True
     """
+    against = paired_with or {}
+
     def differences(samples: dict[str, list[float]]) -> dict[str, list[float]]:
-        return {name: [a - b for a, b in zip(values, samples[baseline])] for name, values in samples.items()
-                if name != baseline}
+        return {name: [a - b for a, b in zip(values, samples[against.get(name, baseline)])]
+                for name, values in samples.items() if name != baseline}
 
     def precise(samples: dict[str, list[float]]) -> bool:
         limit = tolerance * statistics.median(samples[baseline])

@@ -28,6 +28,24 @@ def _loss(out):
     return out.pow(2).mean()
 
 
+def _scripted_timings(over_eager, eager: float = 1.0):
+    """A stand-in for ``paired_step_seconds`` that times each step at ``over_eager(name)`` (an Estimate, in eager
+    steps) beyond the eager step of ``eager`` seconds, or, where ``paired_with`` pairs it with another step, at the
+    difference between the two (with its own standard error): the calibration's timings, scripted."""
+    def scripted(steps, *args, paired_with=None, **kwargs):
+        pairs = paired_with or {}
+        timings = {}
+        for name in steps:
+            if name == "eager":
+                timings[name] = Estimate(eager, 0.01)
+                continue
+            own = over_eager(name)
+            beyond = own.median - (over_eager(pairs[name]).median if name in pairs else 0.0)
+            timings[name] = Estimate(beyond * eager, own.standard_error * eager)
+        return timings
+    return scripted
+
+
 @pytest.fixture()
 def model():
     torch.manual_seed(0)
@@ -200,9 +218,7 @@ def test_a_calibration_that_cannot_tell_recomputation_from_free_is_ignored(monke
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh()) for _ in range(3)])
     captured = capture(model, (torch.randn(8, 16),))
-    monkeypatch.setattr(api, "paired_step_seconds",
-                        lambda steps, *args, **kwargs: {name: Estimate(1.0, 0.01) if name == "eager"
-                                                        else checkpoint_seconds for name in steps})
+    monkeypatch.setattr(api, "paired_step_seconds", _scripted_timings(lambda name: checkpoint_seconds))
     problem = api.pose(captured, profile_repeats=1).problem
     assert all(s.recompute_options[0].recompute_seconds == s.forward_seconds > 0 for s in problem.stages)
 
@@ -233,12 +249,13 @@ def test_calibration_times_a_few_rounds_however_long_a_step(monkeypatch):
 @pytest.mark.parametrize("standard_error, charged", [(0.14, False), (0.01, True)])
 def test_an_excess_within_its_noise_charges_nothing(monkeypatch, standard_error, charged):
     """Plain checkpointing of every other stage and of a long region timed at 0.3 of eager over it, of one stage at
-    0.15 and caching at 0.1: clearly above zero (by two standard errors of 0.14), and above the recomputation the
-    profile predicts (two ninths of the step, a ninth for one stage) by less than one: no cost per step, per region,
-    per saved tensor or per cached node, so every option keeps the profile's time (at demo size, such noise put
-    BERT's checkpoint-everything plan anywhere from 40% to 58%). Timed to 0.01, the same excess is charged (timings
-    scripted, the profile's too: every node's forward takes one unit, every stage's backward twice its forward;
-    measured, a machine whose profile put less of the step in the recomputation charged the noisy excess)."""
+    0.15 and caching at 0.1 (its plain twins, the same regions without caching, at 0.3): clearly above zero (by two
+    standard errors of 0.14), and above the recomputation the profile predicts (two ninths of the step, a ninth for
+    one stage) by less than one: no cost per step, per region, per saved tensor or per cached node, so every option
+    keeps the profile's time (at demo size, such noise put BERT's checkpoint-everything plan anywhere from 40% to
+    58%). Timed to 0.01, the same excess is charged (timings scripted, the profile's too: every node's forward takes
+    one unit, every stage's backward twice its forward; measured, a machine whose profile put less of the step in
+    the recomputation charged the noisy excess)."""
     import planner.api as api
     from planner.capture import capture
 
@@ -260,9 +277,8 @@ def test_an_excess_within_its_noise_charges_nothing(monkeypatch, standard_error,
     monkeypatch.setattr(api, "measure_stages", scripted_stages)
     over_eager = {"checkpoint": 0.3, "long": 0.3, "single": 0.15}
     monkeypatch.setattr(api, "paired_step_seconds",
-                        lambda steps, *args, **kwargs: {name: Estimate(1.0, 0.01) if name == "eager" else
-                                                        Estimate(over_eager.get(name, 0.1), standard_error)
-                                                        for name in steps})
+                        _scripted_timings(lambda name: Estimate(0.3 if name.endswith("_plain") else
+                                                                over_eager.get(name, 0.1), standard_error)))
     charges = []
     add = api.add_checkpoint_overheads
     monkeypatch.setattr(api, "add_checkpoint_overheads",
@@ -283,15 +299,16 @@ def test_calibration_times_plain_checkpointing_apart_from_the_caching_options(mo
     """Eager against plain checkpointing of every other stage, of the middle half of the stages in one region and of
     one stage alone in rounds of their own (as a training loop runs it), then eager against one long region of the
     caching stages with the options that cache the most and with those that cache the fewest nodes, and against
-    every other caching stage in a region of its own; those excesses are scaled to the first eager median (timings
-    scripted). The measured totals hold for the stages timed (each region stopping early), each region's own cost
-    and the cost per step included, whether they fall short of the profile's forward times (5%) or exceed them
-    (95%), and the stages between pay at the same rate. The options that cache the most recompute nothing here, so
-    the caching schedules cost more than their nodes' times: the costs per caching region, stage and node, none
-    below zero, keep the first schedule's total and, up to that scale, are the least-squares fit (no cost can move
-    without the fit getting worse). The profile's recompute of the three differs, so equal totals cannot all be met
-    with none below zero (the other two land 5-25% off), but the fit's squared error is under half of what no
-    caching cost would leave."""
+    every other caching stage in a region of its own, each timed against its plain twin (the same regions without
+    caching) in the same rounds; those differences are scaled to the first eager median (timings scripted). The
+    measured totals hold for the stages timed (each region stopping early), each region's own cost and the cost per
+    step included, whether they fall short of the profile's forward times (5%) or exceed them (95%), and the
+    stages between pay at the same rate. The caching schedules are timed at their twins' cost, so they cost more
+    than their nodes' times (the options that cache the most recompute nothing here): the costs per caching region,
+    stage and node, none below zero, keep the first schedule at its twin's total and, up to that scale, are the
+    least-squares fit (no cost can move without the fit getting worse). The profile's recompute of the three
+    differs, so equal totals cannot all be met with none below zero (the other two land 5-25% off), but the fit's
+    squared error is under half of what no caching cost would leave."""
     import planner.api as api
     from planner.capture import capture
 
@@ -306,12 +323,12 @@ def test_calibration_times_plain_checkpointing_apart_from_the_caching_options(mo
     def scripted(steps, *args, **kwargs):
         groups.append(list(steps))
         eager = 1.0 if len(groups) == 1 else 2.0  # the second group ran on a machine half as fast
-        return {name: Estimate(eager if name == "eager" else excess * eager, 0.0) for name in steps}
+        return _scripted_timings(lambda name: Estimate(excess, 0.0), eager)(steps, *args, **kwargs)
 
     monkeypatch.setattr(api, "paired_step_seconds", scripted)
     problem = api.pose(captured, profile_repeats=1).problem
     assert groups == [["eager", "checkpoint", "long", "single"],
-                      ["eager", "caching", "caching_least", "caching_apart"]]
+                      ["eager", "caching", "caching_least", "caching_apart", "caching_plain", "caching_apart_plain"]]
     step = sum(s.forward_seconds + s.backward_seconds for s in problem.stages)
     assert step == pytest.approx(1.0)  # scaled to the first eager median
     timed = api._apart(range(problem.num_stages))
@@ -331,7 +348,8 @@ def test_calibration_times_plain_checkpointing_apart_from_the_caching_options(mo
     assert caching_stages and all(problem.stages[k].recompute_options[i].cached_nodes for k, i in most.items())
     span = api._long_region(caching_stages[0], caching_stages[-1] + 1)
     first = Schedule((Region(span.start, span.stop, tuple(most.get(k, 0) for k in span.stages)),))
-    assert simulate(problem, first).recompute_seconds == pytest.approx(excess)  # of the first eager step
+    twin = Schedule((span,))
+    assert simulate(problem, first).recompute_seconds == pytest.approx(simulate(problem, twin).recompute_seconds)
     assert fits
     (measured, predicted, shapes), costs = fits[0]
     assert min(costs) >= 0 and problem.caching_region_seconds == costs[0]
@@ -345,12 +363,12 @@ def test_calibration_times_plain_checkpointing_apart_from_the_caching_options(mo
 
 
 def test_a_noisy_shortfall_does_not_make_recomputation_free(monkeypatch):
-    """A caching step timed at 0 +/- 0.3 of eager over it, short of the profile's times by less than its noise
-    shows: no correction, so the caching options keep the profile's costs, where taking the median would have
-    shrunk every one towards nothing; a clear shortfall (-0.5 +/- 0.01) still shrinks them, and plain
-    checkpointing of every other stage timed at 0.03 +/- 0.005, clearly short of those stages' forwards (about 0.2
-    of the step), shrinks to the median plus two standard errors (at 0.1 +/- 0.01 it depended on how the
-    one-repeat profile split the step between forward and backward)."""
+    """A caching step timed at -0.2 +/- 0.3 of eager over it (its plain twin, as plain checkpointing, at 0.03),
+    short of the profile's times by less than its noise shows: no correction, so the caching options keep the
+    profile's costs, where taking the median would have shrunk every one towards nothing; a clear shortfall (-0.5
+    +/- 0.01) still shrinks them, and plain checkpointing of every other stage timed at 0.03 +/- 0.005, clearly
+    short of those stages' forwards (about 0.2 of the step), shrinks to the median plus two standard errors (at 0.1
+    +/- 0.01 it depended on how the one-repeat profile split the step between forward and backward)."""
     import planner.api as api
     from planner.capture import capture
 
@@ -364,16 +382,13 @@ def test_a_noisy_shortfall_does_not_make_recomputation_free(monkeypatch):
                         charges(options, share, timed))
 
     def pose_with(checkpoint: Estimate, caching: Estimate):
-        def scripted(steps, *args, **kwargs):
-            return {"eager": Estimate(1.0, 0.01), **({"checkpoint": checkpoint, "long": checkpoint,
-                                                       "single": checkpoint}
-                                                      if "checkpoint" in steps
-                                                      else {name: caching for name in steps if name != "eager"})}
-        monkeypatch.setattr(api, "paired_step_seconds", scripted)
+        plain = {"checkpoint", "long", "single", "caching_plain", "caching_apart_plain"}
+        monkeypatch.setattr(api, "paired_step_seconds",
+                            _scripted_timings(lambda name: checkpoint if name in plain else caching))
         shares.clear()
         return api.pose(captured, profile_repeats=1).problem
 
-    noisy = pose_with(Estimate(0.03, 0.005), Estimate(0.0, 0.3))
+    noisy = pose_with(Estimate(0.03, 0.005), Estimate(-0.2, 0.3))
     timed = api._apart(range(noisy.num_stages))
     assert simulate(noisy, Schedule.from_segments([(k, k + 1) for k in timed])).recompute_seconds \
         == pytest.approx(0.04)

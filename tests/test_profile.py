@@ -179,6 +179,16 @@ def test_paired_step_seconds_gives_up_at_its_time_limit(clock):
     assert len(eager_calls) == 3  # the minimum rounds run, then the time is up
 
 
+def test_paired_step_seconds_times_a_step_against_the_one_it_is_paired_with(clock):
+    eager, _ = _varying_step(clock, [0.010, 0.020])  # a machine whose speed drifts between rounds
+    plain, _ = _varying_step(clock, [0.013, 0.026])
+    cached, _ = _varying_step(clock, [0.012, 0.024])
+    seconds = paired_step_seconds({"eager": eager, "plain": plain, "cached": cached}, 4, "eager",
+                                  paired_with={"cached": "plain"})
+    assert seconds["plain"].median == pytest.approx(0.0045)  # beyond eager in the same round: 3 and 6 ms
+    assert seconds["cached"].median == pytest.approx(-0.0015)  # beyond plain: -1 and -2 ms, not beyond eager
+
+
 class _InPlaceAttention(torch.nn.Module):
     """A linear, an in-place ReLU on its output, then attention with dropout: the ReLU writes what the linear
     made, and attention (with dropout, the CPU takes the math path) frees temporaries before it returns."""
