@@ -165,7 +165,8 @@ def main(argv=None) -> list[FidelityRow]:
     lines = [f"Machine: {machine()}; heap: {heap}. Size {args.size}; budget points go from the smallest feasible "
              f"peak (0%) to the eager peak (100%); overheads are medians over {args.repeats} to {most} "
              f"interleaved rounds, each in an order drawn afresh (more while a standard error is above "
-             f"{args.target_error:.1%} of the step), ± their standard error. Command: `python -m benchmarks.fidelity {command}`.",
+             f"{args.target_error:.1%} of the step), ± their standard error. "
+             f"Command: `python -m benchmarks.fidelity {command}`.",
              "", "```"]
     header = (f"{'model':11s} {'point':>5s} {'budget':>10s} {'predicted':>10s} {'measured':>10s} {'error':>7s} "
               f"{'overhead pred':>13s} {'vs graph':>15s} {'vs model':>9s} {'holds':>5s}")
