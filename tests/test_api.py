@@ -362,6 +362,42 @@ def test_calibration_times_plain_checkpointing_apart_from_the_caching_options(mo
     assert np.sum((columns @ fit - beyond) ** 2) < np.sum(beyond ** 2) / 2  # no cost at all would be beyond off
 
 
+@pytest.mark.parametrize("drift", [0.1, -0.05])
+def test_caching_is_priced_beyond_its_plain_twin(monkeypatch, drift):
+    """While the caching schedules are timed, their plain twins (the same regions, caching nothing) take ``drift``
+    of the eager step more than before (the plain costs wrong for those stages, or a machine running slower) and so
+    does every caching schedule: the costs of caching come out as without the drift (timings scripted); measured
+    against eager alone, the drift was priced as caching."""
+    import planner.api as api
+    from planner.capture import capture
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(),
+                                                      torch.nn.Linear(64, 16), torch.nn.Tanh()) for _ in range(6)])
+    captured = capture(model, (torch.randn(8, 16),))
+    fits, calls = [], []
+    split, calibrate = api._caching_costs, api._calibrate_checkpoint_overheads
+    monkeypatch.setattr(api, "_caching_costs", lambda *args: fits.append(split(*args)) or fits[-1])
+    monkeypatch.setattr(api, "_calibrate_checkpoint_overheads", lambda *args: calls.append(args) or calibrate(*args))
+    over_eager = {"checkpoint": 0.3, "long": 0.3, "single": 0.15, "caching_plain": 0.3, "caching_apart_plain": 0.3,
+                  "caching": 0.35, "caching_least": 0.4, "caching_apart": 0.45}
+
+    def costs(shift: float) -> list[float]:
+        shifted = {name: t + (shift if name.startswith("caching") else 0.0) for name, t in over_eager.items()}
+        monkeypatch.setattr(api, "paired_step_seconds", _scripted_timings(lambda name: Estimate(shifted[name], 0.0)))
+        fits.clear()
+        if calls:  # the same profile, calibrated again
+            calibrate(*calls[0])
+        else:
+            api.pose(captured, profile_repeats=1)
+        assert len(fits) == 1
+        return list(fits[0])
+
+    steady = costs(0.0)
+    assert max(steady) > 0
+    assert costs(drift) == pytest.approx(steady)
+
+
 def test_a_noisy_shortfall_does_not_make_recomputation_free(monkeypatch):
     """A caching step timed at -0.2 +/- 0.3 of eager over it (its plain twin, as plain checkpointing, at 0.03),
     short of the profile's times by less than its noise shows: no correction, so the caching options keep the
