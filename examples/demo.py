@@ -2,18 +2,20 @@
 
 Run from the repository root::
 
-    python -m examples.demo            # GPT-2 "demo" size (about 8 minutes on 2 CPU cores, 3 of them planning)
+    python -m examples.demo            # GPT-2 "demo" size (about 2 minutes on 2 CPU cores, 1 of them planning)
     python -m examples.demo --size test --steps 2
 
 It prints, for eager training, Hugging Face's ``gradient_checkpointing_enable`` (every layer checkpointed) and
 ``planner.optimize`` at 50% of the eager peak and at the memory uniform checkpointing reaches: the measured peak
 memory of one step (a live-storage meter, parameters and gradients included), the median step time over
-interleaved repeats, and the losses, which agree with eager training.
+interleaved rounds and the median of its ratio to eager's in the same round, and the losses, which agree with eager
+training.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import time
 
@@ -21,7 +23,7 @@ import torch
 
 import planner
 from planner.budget import format_bytes
-from planner.timing import keep_freed_memory
+from planner.timing import interleaved_rounds, keep_freed_memory, paired_ratios
 
 from .common import build_example, hugging_face_checkpointing
 
@@ -52,7 +54,7 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", default="demo", choices=["test", "demo"])
     parser.add_argument("--steps", type=int, default=3, help="training steps with AdamW on the planned model")
-    parser.add_argument("--repeats", type=int, default=5, help="timed steps per method")
+    parser.add_argument("--repeats", type=int, default=9, help="timed rounds, each a step of every method")
     args = parser.parse_args(argv)
     if keep_freed_memory():  # otherwise eager's step faults its freed memory in again: see its docstring
         print("heap: freed memory kept between steps, as the CUDA caching allocator keeps it")
@@ -78,17 +80,15 @@ def main(argv=None) -> None:
         peak, loss = measure(example, opt)
         rows.append((name, opt, peak, loss))
 
-    times = {name: [] for name, *_ in rows}
-    for _ in range(args.repeats):  # interleaved, so load on the machine hits every method alike
-        for name, module, *_ in rows:
-            times[name].append(example.step_seconds(module))
-    eager_time = statistics.median(times["eager"])
+    # interleaved rounds after a warm-up one, each in a drawn order, so load on the machine hits every method alike
+    times = interleaved_rounds({name: functools.partial(example.step_seconds, module) for name, module, *_ in rows},
+                               args.repeats)
     print(f"\n{'method':28s} {'peak memory':>12s} {'vs eager':>9s} {'step time':>10s} {'vs eager':>9s} "
           f"{'loss':>9s}")
     for name, _, peak, loss in rows:
-        step = statistics.median(times[name])
+        step, ratio = statistics.median(times[name]), statistics.median(paired_ratios(times, name, "eager"))
         print(f"{name:28s} {format_bytes(peak):>12s} {peak / eager_peak:>8.0%} {step * 1e3:>8.0f}ms "
-              f"{step / eager_time:>8.2f}x {loss:>9.5f}")
+              f"{ratio:>8.2f}x {loss:>9.5f}")
     print(f"\nplanning took {plan_seconds:.1f}s (capture, profile, solve); "
           f"predicted peak {format_bytes(half.plan.predicted_peak_bytes)}, budget "
           f"{format_bytes(half.plan.budget_bytes)}")

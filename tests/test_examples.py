@@ -155,3 +155,27 @@ def test_largeblock_checkpoint_flag_matches():
     out1, g1 = grads(True)
     assert torch.equal(out0, out1)
     assert all(torch.equal(a, b) for a, b in zip(g0, g1))
+
+
+def test_the_demo_plans_trains_and_meets_its_prediction():
+    """The README's main job at test size (``python -m examples.demo``, calibration cut to 1 s a group): the plan
+    for half the eager peak measures exactly the peak it predicts and stays under its budget, every method gives
+    eager's loss, and the planned model trains."""
+    import re
+    import subprocess
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    result = subprocess.run([sys.executable, "-m", "examples.demo", "--size", "test", "--steps", "2", "--repeats", "2"],
+                            cwd=root, env={**os.environ, "PLANNER_CALIBRATION_SECONDS": "1"}, capture_output=True,
+                            text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    out = result.stdout
+    methods = ("eager", "HF gradient checkpointing", "planner @ 50% of eager", "planner @ uniform's memory")
+    rows = {name: (peak, float(loss)) for name, peak, loss in
+            re.findall(r"^(" + "|".join(map(re.escape, methods)) + r")\s+([\d.]+ MiB)\s.*\s([\d.]+)$", out, re.M)}
+    assert sorted(rows) == sorted(methods) and len({loss for _, loss in rows.values()}) == 1
+    predicted, budget = re.search(r"predicted peak ([\d.]+ MiB), budget ([\d.]+ MiB)", out).groups()
+    assert rows["planner @ 50% of eager"][0] == predicted
+    assert float(predicted.split()[0]) <= float(budget.split()[0])
+    trained = [float(x) for x in re.findall(r"^step \d+: loss ([\d.]+)$", out, re.M)]
+    assert len(trained) == 2 and trained[1] < trained[0]
