@@ -193,7 +193,7 @@ def _mistral(**fields):
     return transformers.MistralForCausalLM(config).train()
 
 
-def test_hugging_face_grouped_query_attention_saves_each_head_once_and_trains_bit_for_bit():
+def test_hugging_face_grouped_query_attention_saves_each_head_once_and_trains_bit_for_bit(monkeypatch):
     """Exported with its mask, Mistral copies each key/value head for both query heads it serves; run as the model
     runs it (``enable_gqa``), the step saves 2 x 16 KiB less a layer (its key and value), and its gradients are the
     model's to the last bit (3.7e-9 apart with the copies)."""
@@ -218,12 +218,8 @@ def test_hugging_face_grouped_query_attention_saves_each_head_once_and_trains_bi
         loss.backward()
         model.zero_grad()
         return held
-    copied = planner.capture.restore_attention
-    try:
-        planner.capture.restore_attention = drop_constant_masks
-        with_copies = capture(model, (ids,), {"labels": ids})
-    finally:
-        planner.capture.restore_attention = copied
+    monkeypatch.setattr(planner.capture, "restore_attention", drop_constant_masks)  # the heads stay copied
+    with_copies = capture(model, (ids,), {"labels": ids})
     assert held_for_backward(with_copies) - held_for_backward(captured) == 2 * 2 * (4 * 2 * 64 * 8 * 4)
 
 

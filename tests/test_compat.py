@@ -237,9 +237,9 @@ def test_hugging_face_architectures_train_exactly_at_their_smallest_peak(name, g
     ``gradient_checkpointing_enable`` does), at the smallest peak any plan reaches, and its measured step fits,
     is predicted within 3% and trains like its captured graph bit for bit, dropout included. The captured graph
     trains like eager bit for bit too, now that its attention runs as the model's does (:mod:`planner.attention`:
-    before, Mistral's grouped-query attention copied its heads and its gradients were 3.7e-9 apart). T5 cut at its sublayers: its
-    position bias, made in the first block and read by all, sends its gradient back past every stage between, and
-    the encoder's last stage makes the decoder's inputs before its re-run stops; uncounted, each made a
+    before, Mistral's grouped-query attention copied its heads and its gradients were 3.7e-9 apart). T5 cut at its
+    sublayers: its position bias, made in the first block and read by all, sends its gradient back past every stage
+    between, and the encoder's last stage makes the decoder's inputs before its re-run stops; uncounted, each made a
     recomputation 24-65 KB heavier than predicted (a plan whose region also kept every generator state measured
     0.2% over its budget)."""
     if name == "bart" and torch.torch_version.TorchVersion(torch.__version__) < (2, 13):
