@@ -54,6 +54,7 @@ from planner.api import planned_module, pose as pose_captured
 from planner.budget import format_bytes
 from planner.costmodel import Granularity
 from planner.capture import capture
+from planner.compiled import fit_compiled
 from planner.errors import InfeasibleBudgetError
 from planner.meter import allocator_peak_bytes, storage_bytes
 from planner.plan import Plan, SolverStatus
@@ -284,80 +285,42 @@ def best_hand_overhead(posed: Posed, budget: int) -> float | None:
     return min((p.predicted_overhead for p in plans if p.predicted_peak_bytes <= budget), default=None)
 
 
-COMPILED_REPLANS = 4
-COMPILED_SLACK = 0.03  # a compiled plan this far under its budget is planned again for more memory
-
-
-def next_target(target: int, predicted: int, peak: int, budget: int, fits_at: int, exceeds_at: float) -> int:
-    """The budget to plan for next, after a compiled plan planned for ``target`` (predicted to peak at
-    ``predicted``) measured ``peak``: ``target`` scaled by how far ``peak`` missed ``budget`` (when over, from the
-    prediction if lower, and at least 1% less), kept strictly between the highest target whose plan fit
-    (``fits_at``, 0 for none) and the lowest predicted peak of a plan that exceeded (``exceeds_at``: the solver
-    gives that plan again for any target above it): a step that leaves that bracket halves it instead, so the
-    search closes in on the largest plan that fits rather than jumping across it.
-
-    >>> next_target(100, 100, 110, 100, 0, 100)  # over by 10%: plan for 10% less
-    90
-    >>> next_target(80, 78, 80, 100, 80, 90)  # 20% under, but a plan predicted at 90 exceeded: halve [80, 90)
-    85
-    """
-    missed_by = budget / peak
-    proposal = int(target * missed_by) if peak <= budget else int(min(target, predicted) * min(missed_by, 0.99))
-    if fits_at < proposal < exceeds_at:
-        return proposal
-    return int((fits_at + exceeds_at) / 2) if exceeds_at != float("inf") else proposal
-
-
 def planner_at(posed: Posed, budget: int, matches: str, compile_it: bool = False, *,
                solve_seconds: float | None = None) -> Candidate:
     """The planner's plan for ``budget`` (compiled when ``compile_it``); setup counts capture, profile and solve
     (each solve limited to ``solve_seconds``).
 
-    Inductor fuses and reorders what the plan's peak was predicted for, so a compiled plan is measured and, like
-    the hand search's candidates, planned again (:func:`next_target`; at most ``COMPILED_REPLANS`` more plans
-    compiled, a plan already measured is not compiled again) until one fits within ``COMPILED_SLACK`` of
-    ``budget``. When no plan is left below a target, the least memory any plan needs is tried once. The fitting
-    plan planned for the most memory is kept; that time counts as setup too."""
+    Inductor fuses and reorders what the plan's peak was predicted for, so a compiled plan is measured and planned
+    again by the search ``planner.optimize(..., compile=True)`` runs (:func:`planner.compiled.fit_compiled`), its
+    compiled candidates timed interleaved with the others; that time counts as setup too."""
     example, setting = posed.example, f"budget {format_bytes(budget)}"
     start = time.perf_counter()
-    target, kept, found, tried_least = budget, None, None, False
-    fits_at, exceeds_at, measured, solves = 0, float("inf"), {}, 0
-    while len(measured) <= (COMPILED_REPLANS if compile_it else 0) and solves < 3 * (COMPILED_REPLANS + 1):
-        solves += 1
-        try:
-            plan = solvers.solve(posed.problem, target, known=posed.hand_schedules(),
-                                 **({} if solve_seconds is None else {"time_limit": solve_seconds}))
-        except InfeasibleBudgetError as error:
-            if found is None:
-                return Candidate("planner", setting, None, None, posed.seconds, compile_it, budget, matches,
-                                 note=f"infeasible: the smallest peak it plans is "
-                                      f"{format_bytes(error.minimum_budget_bytes or 0)}")
-            if kept is not None or tried_least or not error.minimum_budget_bytes:
-                break
-            target, tried_least = error.minimum_budget_bytes, True
-            continue
-        module = planned_module(posed.captured, plan, posed.stage_nodes)
+
+    def solve(target: int) -> Plan:
+        return solvers.solve(posed.problem, target, known=posed.hand_schedules(),
+                             **({} if solve_seconds is None else {"time_limit": solve_seconds}))
+
+    def measure(plan: Plan) -> tuple[int, Candidate]:
+        found = compiled(example, "planner", setting, planned_module(posed.captured, plan, posed.stage_nodes),
+                         example.model, budget_bytes=budget, matches=matches)
+        return found.peak_bytes, found
+
+    try:
         if not compile_it:
-            return eager_mode(example, "planner", setting, module, example.model,
-                              setup_seconds=posed.seconds + time.perf_counter() - start, budget_bytes=budget,
-                              matches=matches, predicted_overhead=plan.predicted_overhead,
+            plan = solve(budget)
+            return eager_mode(example, "planner", setting, planned_module(posed.captured, plan, posed.stage_nodes),
+                              example.model, setup_seconds=posed.seconds + time.perf_counter() - start,
+                              budget_bytes=budget, matches=matches, predicted_overhead=plan.predicted_overhead,
                               hand_predicted_overhead=best_hand_overhead(posed, budget))
-        if plan.regions not in measured:
-            measured[plan.regions] = compiled(example, "planner", setting, module, example.model,
-                                              budget_bytes=budget, matches=matches)
-        found = measured[plan.regions]
-        if found.peak_bytes <= budget:
-            if target > fits_at:  # the most memory that fits: the least recomputation
-                kept, fits_at = found, target
-            if found.peak_bytes >= (1 - COMPILED_SLACK) * budget or not plan.regions:
-                break
-        else:
-            exceeds_at = min(exceeds_at, plan.predicted_peak_bytes)
-        if exceeds_at - fits_at < 0.005 * budget:  # no plan left between them worth compiling
-            break
-        target = next_target(target, plan.predicted_peak_bytes, found.peak_bytes, budget, fits_at, exceeds_at)
-    note = f"planned {solves} times, {len(measured)} compiled, measuring each peak" if solves > 1 else ""
-    return dataclasses.replace(kept or found, setup_seconds=posed.seconds + time.perf_counter() - start, note=note)
+        fit = fit_compiled(solve, measure, budget, predicted_peak=lambda plan: plan.predicted_peak_bytes,
+                           key=lambda plan: plan.regions, recomputes=lambda plan: bool(plan.regions))
+    except InfeasibleBudgetError as error:
+        return Candidate("planner", setting, None, None, posed.seconds, compile_it, budget, matches,
+                         note=f"infeasible: the smallest peak it plans is "
+                              f"{format_bytes(error.minimum_budget_bytes or 0)}")
+    kept = fit.kept or min(fit.tried, key=lambda m: m.peak_bytes)  # none fits: the least memory, shown over budget
+    note = f"planned {fit.solves} times, {len(fit.tried)} compiled, measuring each peak" if fit.solves > 1 else ""
+    return dataclasses.replace(kept.payload, setup_seconds=posed.seconds + time.perf_counter() - start, note=note)
 
 
 def compile_settings(example: Example, ratios: Sequence[float]) -> list[Candidate]:

@@ -28,8 +28,9 @@ import numpy as np
 import torch
 
 from .budget import Budget, format_bytes, parse_budget
-from .capture import (CapturedGraph, autocast_state, capture, casts_uncached, input_signature, is_layout_copy,
-                      mutated_nodes, outside_autocast, placed_stage_nodes, plan_key)
+from .compiled import CompiledFit, fit_compiled
+from .capture import (CapturedGraph, autocast_state, capture, casts_uncached, flat_call_args, input_signature,
+                      is_layout_copy, mutated_nodes, outside_autocast, placed_stage_nodes, plan_key)
 from .devices import DeviceSpec, device_spec
 from .meta import device_type_of, target_kernels
 from .timing import AnalyticStopwatch, Estimate, stopwatch_for
@@ -40,8 +41,9 @@ from .dropout import is_mask, is_state
 from .errors import InfeasibleBudgetError, PlannerError
 from .plan import Plan, SolverStatus, budget_for_usable, usable_bytes
 from .problem import Problem, RecomputeOption, Region, Schedule, recompute_seconds, region_caches, simulate
-from .profile import (StageMeasurement, default_loss, measure_stages, paired_step_seconds, preserved_training_state,
-                      profile_graph)
+from .meter import device_allocator_peak_bytes, storage_bytes
+from .profile import (StageMeasurement, default_loss, fixed_tensors, measure_stages,
+                      paired_step_seconds, preserved_training_state, profile_graph)
 from .parts import PartialCaptureWarning, ReducedBudget, capturable_parts, parts_planned, record_calls
 from .rewrite import apply_plan
 from .solvers.baselines import block_checkpoints
@@ -53,11 +55,13 @@ __all__ = ["optimize", "plan", "apply", "OptimizedModule", "Planned"]
 @dataclass(frozen=True)
 class Planned:
     """Everything one planning run produced: the captured graph, the problem it posed (None for a plan loaded from
-    JSON, which carries its predictions but not the profile), and the plan."""
+    JSON, which carries its predictions but not the profile), the plan and, when planned under ``torch.compile``,
+    the compiled module whose step was measured to fit."""
 
     captured: CapturedGraph
     problem: Problem | None
     plan: Plan
+    compiled_module: torch.nn.Module | None = None  # the compiled module the plan was measured with (compile=)
 
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer | None) -> int:
@@ -819,7 +823,8 @@ def _plan_captured(model, captured: CapturedGraph, budget, *, loss_fn, optimizer
                    ddp: bool = False,
                    profile_repeats: int, solver_options: dict | None, hold_outputs: bool = True,
                    device: str | DeviceSpec | None = None, allocator_margin: float | None = None,
-                   posed: Posed | None = None, granularity: str | Granularity = Granularity.BLOCK) -> Planned:
+                   posed: Posed | None = None, granularity: str | Granularity = Granularity.BLOCK,
+                   compile: dict | None = None) -> Planned:
     spec = device_spec(device) if device is not None else None
     device_type = captured_device_type(captured)
     parsed = device_budget(budget, spec, device_type)
@@ -831,22 +836,101 @@ def _plan_captured(model, captured: CapturedGraph, budget, *, loss_fn, optimizer
     eager = simulate(problem, Schedule.store_all(problem.num_stages)).peak_bytes
     budget_bytes = parsed.resolve(eager)
     _check_fits(parsed, budget_bytes, spec)
+    known = block_checkpoints(posed.block_ranges) if posed.block_ranges is not None else ()
+
+    def solve(target: int) -> Plan:
+        return solvers.solve(problem, target, method=solver, known=known, **(solver_options or {}))
+
+    compiled_module, compiled_extra = None, ()
     try:
-        known = block_checkpoints(posed.block_ranges) if posed.block_ranges is not None else ()
-        result = solvers.solve(problem, usable_bytes(budget_bytes, margin), method=solver, known=known,
-                               **(solver_options or {}))
+        if compile is not None:
+            fit = _fit_compiled(captured, posed, solve, usable_bytes(budget_bytes, margin),
+                                compile_options=compile, loss_fn=loss_fn,
+                                hold_outputs=hold_outputs, fixed_bytes=training_state_bytes(captured.graph_module,
+                                                                                            optimizer, ddp))
+            result, compiled_module = fit.kept.plan, fit.kept.payload
+            compiled_extra = (("compiled_peak_bytes", fit.kept.peak_bytes),
+                              ("compiled_plans_measured", len(fit.tried)),
+                              ("compiled_solved_for_bytes", fit.kept.target_bytes))
+        else:
+            result = solve(usable_bytes(budget_bytes, margin))
     except InfeasibleBudgetError as exc:
         raise _in_context(model, parsed, exc, margin) from None
     measured = posed.measured
     extra = tuple((k, v) for k, v in (("measured_device_peak_bytes", measured.device_peak_bytes),
                                       ("measured_device_reserved_bytes", measured.device_reserved_bytes),
                                       ("ddp_bucket_bytes", ddp_bucket_bytes(captured.graph_module) if ddp else None))
-                  if v is not None) + posed.granularity.plan_extra
+                  if v is not None) + posed.granularity.plan_extra + compiled_extra
     result = dataclasses.replace(result, budget_bytes=budget_bytes, budget_text=parsed.text,
                                  stage_nodes=posed.stage_nodes, fingerprint=fingerprint(captured),
                                  torch_version=torch.__version__, device=_device_of(model), timing=posed.timing,
                                  allocator_margin=margin, extra=result.extra + extra)
-    return Planned(captured, problem, result)
+    return Planned(captured, problem, result, compiled_module)
+
+
+def _compiled_training_step(module: torch.nn.Module, captured: CapturedGraph, loss_fn: Callable | None,
+                            hold_outputs: bool) -> Callable[[], None]:
+    """One forward and backward of ``module`` on the captured inputs, the way the plan was made for (the outputs
+    held through the backward when ``hold_outputs``); the gradients it makes are dropped afterwards."""
+    args, kwargs, loss_of = captured.example_args, captured.example_kwargs, loss_fn or default_loss
+    parameters = list(captured.graph_module.parameters())
+
+    def step() -> None:
+        outputs = module(*args, **kwargs)
+        loss = loss_of(outputs)
+        if not hold_outputs:
+            del outputs
+        with outside_autocast():
+            loss.backward()
+        for p in parameters:
+            p.grad = None
+    return step
+
+
+def _fit_compiled(captured: CapturedGraph, posed: Posed, solve: Callable[[int], Plan], usable: int, *,
+                  compile_options: dict, loss_fn: Callable | None,
+                  hold_outputs: bool, fixed_bytes: int) -> CompiledFit:
+    """Plan for ``usable`` bytes under ``torch.compile(**compile_options)``: each plan is compiled and one training
+    step measured through the device's allocator (:func:`~planner.compiled.fit_compiled`); raises
+    :class:`InfeasibleBudgetError` naming the lowest compiled peak when no compiled plan fits."""
+    gm = captured.graph_module
+    flat = flat_call_args(captured, captured.example_args, captured.example_kwargs)
+    fixed = storage_bytes(fixed_tensors(gm, flat)) + fixed_bytes
+    device_type = captured_device_type(captured)
+
+    def measure(plan: Plan) -> tuple[int, torch.nn.Module]:
+        module = torch.compile(planned_module(captured, plan, posed.stage_nodes), **compile_options)
+        step = _compiled_training_step(module, captured, loss_fn, hold_outputs)
+        with preserved_training_state(gm):
+            step()  # compiles
+            return fixed + device_allocator_peak_bytes(step, device_type), module
+
+    fit = fit_compiled(solve, measure, usable, predicted_peak=lambda plan: plan.predicted_peak_bytes,
+                       key=lambda plan: plan.regions, recomputes=lambda plan: bool(plan.regions))
+    if fit.kept is None:
+        peaks = ", ".join(format_bytes(m.peak_bytes) for m in fit.tried)
+        raise InfeasibleBudgetError(
+            f"under torch.compile no plan fits: the {len(fit.tried)} plans compiled peaked at {peaks}, "
+            f"the budget leaves {format_bytes(usable)}", minimum_budget_bytes=fit.smallest_peak_bytes)
+    return fit
+
+
+def _compile_options(compile: bool | dict, device: str | DeviceSpec | None) -> dict | None:
+    """The keyword arguments of ``torch.compile`` to plan under (``True``: the defaults), or None for eager.
+
+    >>> _compile_options(True, None), _compile_options({"mode": "max-autotune"}, None), _compile_options(False, None)
+    ({}, {'mode': 'max-autotune'}, None)
+    """
+    if compile is False or compile is None:
+        return None
+    if compile is not True and not isinstance(compile, dict):
+        raise PlannerError(f"compile={compile!r} is neither a bool nor a dict of torch.compile's arguments",
+                           hint="write compile=True, or e.g. compile={'mode': 'max-autotune'}")
+    if device is not None:
+        raise PlannerError(f"compile= measures compiled steps where the tensors are, and device={device!r} plans "
+                           "from the roofline model without running anything",
+                           hint="plan for the device without compile=, or drop device= and plan on the GPU itself")
+    return {} if compile is True else dict(compile)
 
 
 def _as_args(example_inputs: Any) -> tuple:
@@ -860,7 +944,7 @@ def plan(model: torch.nn.Module, budget: int | str | None, example_inputs: Any =
          loss_fn: Callable | None = None, max_stages: int = 64, profile_repeats: int = 3,
          solver_options: dict | None = None, hold_outputs: bool = True, device: str | DeviceSpec | None = None,
          allocator_margin: float | None = None, ddp: bool = False,
-         granularity: str | Granularity = Granularity.BLOCK) -> Plan:
+         granularity: str | Granularity = Granularity.BLOCK, compile: bool | dict = False) -> Plan:
     """Plan ``model`` under ``budget`` without rewriting it; see :func:`optimize` for the arguments.
 
     A model built under ``with torch.device("meta"):`` (inputs made with ``device="meta"``) is planned without
@@ -874,7 +958,7 @@ def plan(model: torch.nn.Module, budget: int | str | None, example_inputs: Any =
     options = dict(loss_fn=loss_fn, optimizer=optimizer, solver=solver, max_stages=max_stages,
                    profile_repeats=profile_repeats, solver_options=solver_options, hold_outputs=hold_outputs,
                    device=device, allocator_margin=allocator_margin, ddp=ddp,
-                   granularity=granularity_of(granularity))
+                   granularity=granularity_of(granularity), compile=_compile_options(compile, device))
     sharding = fsdp.sharding_of(model)
     if sharding is not None:
         return _plan_sharded(model, _as_args(example_inputs), dict(example_kwargs or {}), sharding, budget,
@@ -892,6 +976,9 @@ def _plan_sharded(model: torch.nn.Module, args: tuple, kwargs: dict, sharding: f
     """Plan a model sharded with ``fully_shard`` (see :mod:`planner.fsdp`; every rank calls this together): it is
     captured and profiled with every unit gathered, each rank's memory is measured in a step that runs FSDP, and
     every rank takes rank 0's plan. ``wrapper``: the optimized module, when it is sharded too."""
+    if options.get("compile") is not None:
+        raise PlannerError("compile= does not plan models sharded with fully_shard",
+                           hint="drop compile= and torch.compile the module optimize() returns")
     fsdp.check_same_inputs_on_all_ranks(input_signature(args, kwargs))
     with fsdp.unsharded_for_capture(model, wrapper):
         captured = dataclasses.replace(capture_for(model, args, kwargs, options.get("device")), sharding=sharding)
@@ -973,7 +1060,8 @@ class OptimizedModule(torch.nn.Module):
             graph_module, stage_nodes = fsdp.with_unit_hooks(graph_module, plan.stage_nodes, self.model,
                                                              captured.sharding, wrapper=self)
             plan = dataclasses.replace(plan, stage_nodes=stage_nodes)
-        self._planned[captured.key] = (planned, apply_plan(graph_module, plan))
+        module = planned.compiled_module if planned.compiled_module is not None else apply_plan(graph_module, plan)
+        self._planned[captured.key] = (planned, module)
         self._last = planned
 
     def _plan_for(self, args: tuple, kwargs: dict) -> None:
@@ -1000,6 +1088,10 @@ class OptimizedModule(torch.nn.Module):
     def _plan_parts(self, args: tuple, kwargs: dict, error: PlannerError) -> dict[str, "OptimizedModule"]:
         """Plan the largest submodules that capture (see :mod:`planner.parts`); re-raise ``error`` when none does."""
         options = self._options
+        if options.get("compile") is not None:
+            raise PlannerError(f"compile= plans the compiled step of a model that captures as a whole, and "
+                               f"{type(self.model).__name__} does not ({error.message})",
+                               hint="drop compile= and torch.compile the module optimize() returns") from None
         try:
             recorded = record_calls(self.model, args, kwargs, loss_fn=options["loss_fn"],
                                     extra_fixed_bytes=training_state_bytes(self.model, options["optimizer"],
@@ -1097,7 +1189,7 @@ def optimize(model: torch.nn.Module, budget: int | str | None, example_inputs: A
              profile_repeats: int = 3, solver_options: dict | None = None,
              hold_outputs: bool = True, device: str | DeviceSpec | None = None,
              allocator_margin: float | None = None, ddp: bool = False,
-             granularity: str | Granularity = Granularity.BLOCK) -> OptimizedModule:
+             granularity: str | Granularity = Granularity.BLOCK, compile: bool | dict = False) -> OptimizedModule:
     """Return a module that trains ``model``'s own parameters within ``budget`` with the least recomputation.
 
     Parameters
@@ -1129,6 +1221,17 @@ def optimize(model: torch.nn.Module, budget: int | str | None, example_inputs: A
         ``gradient_checkpointing_enable`` places them), around the blocks' layers (``"layer"``: attention, MLP,
         norms) or around the layers' modules (``"sublayer"``). Finer cuts let a tight budget recompute only the
         parts of a block that free the most memory per second; they make more stages, so solving takes longer.
+    compile : ``True`` (or a dict of ``torch.compile``'s arguments, e.g. ``{"mode": "max-autotune"}``): the module
+        runs the plan compiled, and the budget holds for the compiled step. Inductor fuses and reorders the planned
+        forward and backward, so a compiled plan does not peak where the plan predicts for eager execution (mostly
+        lower, sometimes higher); each plan is therefore compiled and one training step on the example inputs
+        measured through the allocator (CUDA's ``max_memory_allocated``, the CPU allocator's profiler events), and
+        planned again for a budget scaled by the miss (:mod:`planner.compiled`, at most 5 compilations) until a
+        compiled step fits within 3% under the budget. The plan records the measured peak
+        (``Plan.compiled_peak_bytes``); ``"60%"`` still means 60% of the eager peak. Dropout matches eager only with
+        ``torch._inductor.config.fallback_random = True``. Outside training the model runs as is, uncompiled. Not
+        with ``device=``, FSDP or a model that captures only in parts: ``torch.compile`` the module this returns
+        instead.
 
     Under FSDP2, ``fully_shard`` the blocks and then the model (or the module this returns), before or after this
     call: the plan is made for this rank's share (a sharded model plans again on its first call; without
@@ -1138,7 +1241,7 @@ def optimize(model: torch.nn.Module, budget: int | str | None, example_inputs: A
     options = dict(loss_fn=loss_fn, optimizer=optimizer, solver=solver, max_stages=max_stages,
                    profile_repeats=profile_repeats, solver_options=solver_options, hold_outputs=hold_outputs,
                    device=device, allocator_margin=allocator_margin, ddp=ddp,
-                   granularity=granularity_of(granularity))
+                   granularity=granularity_of(granularity), compile=_compile_options(compile, device))
     if budget is not None:
         parse_budget(budget)  # fail early on a malformed budget
     optimized = OptimizedModule(model, budget, planner_options=options)

@@ -148,8 +148,10 @@ def _table(rows: list[tuple[str, ...]], totals: tuple[str, ...]) -> list[str]:
 def _prediction(plan: Plan) -> str:
     share = plan.predicted_peak_bytes / max(plan.eager_peak_bytes, 1)
     budget = f" within a budget of {format_bytes(plan.budget_bytes)}" if plan.budget_bytes else ""
+    compiled = (f"; compiled, its step measured {format_bytes(plan.compiled_peak_bytes)}"
+                if plan.compiled_peak_bytes is not None else "")
     return (f"predicted peak {format_bytes(plan.predicted_peak_bytes)} ({share:.0%} of eager "
-            f"{format_bytes(plan.eager_peak_bytes)}){budget}, +{plan.predicted_overhead:.1%} step time")
+            f"{format_bytes(plan.eager_peak_bytes)}){budget}, +{plan.predicted_overhead:.1%} step time{compiled}")
 
 
 def explain(plan: Plan, *, show_nodes: bool = False, show_tensors: bool = False) -> str:

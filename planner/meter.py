@@ -276,6 +276,26 @@ def measure_step_peak(step, *persistent: Iterable[torch.Tensor]) -> int:
     return fixed + meter.peak_bytes
 
 
+def device_allocator_peak_bytes(step: Callable[[], object], device_type: str) -> int:
+    """Peak bytes the allocator of ``device_type`` holds during ``step()`` beyond what it held before: CUDA's
+    ``max_memory_allocated``, else the CPU allocator's profiler events (:func:`allocator_peak_bytes`). Both see
+    what ``torch.compile``'s generated code allocates.
+
+    >>> import torch
+    >>> w = torch.randn(64, 64, requires_grad=True)
+    >>> device_allocator_peak_bytes(lambda: (torch.randn(32, 64) @ w).sum().backward(), "cpu") > 0
+    True
+    """
+    if device_type != "cuda":
+        return allocator_peak_bytes(step)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    step()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - before
+
+
 def allocator_peak_bytes(step: Callable[[], object]) -> int:
     """Peak bytes the CPU allocator holds during ``step()`` beyond what it held before, from the memory events of
     ``torch.profiler.profile(profile_memory=True)``.

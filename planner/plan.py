@@ -275,6 +275,11 @@ class Plan:
     def recomputed_stage_names(self) -> tuple[str, ...]:
         return tuple(self.stage_names[k] for r in self.regions for k in range(r.start, r.stop))
 
+    @property
+    def compiled_peak_bytes(self) -> int | None:
+        """For a plan made with ``compile=``: the peak measured of its compiled training step (else None)."""
+        return dict(self.extra).get("compiled_peak_bytes")
+
     def summary(self) -> str:
         """A few lines for people: budget, peaks, overhead, solver and the regions."""
         lines = [
@@ -287,6 +292,9 @@ class Plan:
             f"  eager peak      {format_bytes(self.eager_peak_bytes)}",
             f"  predicted peak  {format_bytes(self.predicted_peak_bytes)}"
             f" ({self.predicted_peak_bytes / max(self.eager_peak_bytes, 1):.0%} of eager)",
+            *([f"  compiled peak   {format_bytes(self.compiled_peak_bytes)} (measured under torch.compile, "
+               f"{dict(self.extra).get('compiled_plans_measured')} plan(s) compiled)"]
+              if self.compiled_peak_bytes is not None else []),
             f"  overhead        +{self.predicted_overhead:.1%} step time (predicted"
             + (f", times {self.timing}" if self.timing else "") + ")",
             f"  stages          {len(self.stage_names)}, recomputed {len(self.recomputed_stage_names)}"
