@@ -54,3 +54,15 @@ def _fresh_poses():
     planner.api.forget_poses()
     yield
     planner.api.forget_poses()
+
+
+@pytest.fixture()
+def fallback_random():
+    """Compiled dropout draws what eager dropout draws (``torch._inductor.config.fallback_random``); compiled code
+    is forgotten afterwards."""
+    import torch._inductor.config as inductor_config
+    previous = inductor_config.fallback_random
+    inductor_config.fallback_random = True
+    yield
+    inductor_config.fallback_random = previous
+    torch._dynamo.reset()

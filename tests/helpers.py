@@ -73,3 +73,18 @@ class NoGradInside(torch.nn.Module):
             else:
                 x = x + layer(x)
         return x
+
+
+class Dropping(torch.nn.Module):
+    """``n`` residual MLP blocks of ``width`` features with dropout inside."""
+
+    def __init__(self, n: int = 4, width: int = 32):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(width, 4 * width), torch.nn.GELU(), torch.nn.Dropout(0.1),
+                                torch.nn.Linear(4 * width, width)) for _ in range(n))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = x + layer(x)
+        return x

@@ -16,7 +16,7 @@ from torch.profiler import ProfilerActivity, profile
 import planner
 from planner.capture import casts_uncached
 from planner.parts import PartialCaptureWarning
-from tests.helpers import NoGradInside, StepResult, assert_same_training, training_step
+from tests.helpers import Dropping, NoGradInside, StepResult, assert_same_training, training_step
 
 WIDTH = 32
 
@@ -372,18 +372,6 @@ def test_a_cache_nothing_saves_is_gone_once_its_last_reader_in_the_region_has_re
 
 # --- mixed precision -------------------------------------------------------------------------------------------
 
-class Dropping(torch.nn.Module):
-    def __init__(self, n=4):
-        super().__init__()
-        self.layers = torch.nn.ModuleList(
-            torch.nn.Sequential(torch.nn.Linear(WIDTH, 4 * WIDTH), torch.nn.GELU(), torch.nn.Dropout(0.1),
-                                torch.nn.Linear(4 * WIDTH, WIDTH)) for _ in range(n))
-
-    def forward(self, x):
-        for layer in self.layers:
-            x = x + layer(x)
-        return x
-
 
 def _bf16_step(module):
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -546,16 +534,6 @@ def profiled_peak_bytes(step) -> tuple[int, set[str]]:
         live += nbytes
         peak = max(peak, live)
     return peak, {e.name for e in prof.events()}
-
-
-@pytest.fixture()
-def fallback_random():
-    import torch._inductor.config as inductor_config
-    previous = inductor_config.fallback_random
-    inductor_config.fallback_random = True  # compiled dropout draws what eager dropout draws
-    yield
-    inductor_config.fallback_random = previous
-    torch._dynamo.reset()
 
 
 def test_compiled_planned_module_trains_like_compiled_eager_and_keeps_the_saving(fallback_random):

@@ -102,37 +102,14 @@ torch = pytest.importorskip("torch")
 
 import planner  # noqa: E402
 from planner.meter import allocator_peak_bytes, storage_bytes  # noqa: E402
-from tests.helpers import StepResult, assert_same_training  # noqa: E402
+from tests.helpers import Dropping, StepResult, assert_same_training  # noqa: E402
 
 WIDTH = 32
 X = torch.randn(256, WIDTH)
 
 
-class Dropping(torch.nn.Module):
-    def __init__(self, n=4):
-        super().__init__()
-        self.layers = torch.nn.ModuleList(
-            torch.nn.Sequential(torch.nn.Linear(WIDTH, 4 * WIDTH), torch.nn.GELU(), torch.nn.Dropout(0.1),
-                                torch.nn.Linear(4 * WIDTH, WIDTH)) for _ in range(n))
-
-    def forward(self, x):
-        for layer in self.layers:
-            x = x + layer(x)
-        return x
-
-
 def _square_mean(out):
     return out.pow(2).mean()
-
-
-@pytest.fixture()
-def fallback_random():
-    import torch._inductor.config as inductor_config
-    previous = inductor_config.fallback_random
-    inductor_config.fallback_random = True  # compiled dropout draws what eager dropout draws
-    yield
-    inductor_config.fallback_random = previous
-    torch._dynamo.reset()
 
 
 def _compiled_step(module, model):
