@@ -54,7 +54,7 @@ from planner.api import planned_module, pose as pose_captured
 from planner.budget import format_bytes
 from planner.costmodel import Granularity
 from planner.capture import capture
-from planner.compiled import fit_compiled
+from planner.compiled import fit_plans
 from planner.errors import InfeasibleBudgetError
 from planner.meter import allocator_peak_bytes, storage_bytes
 from planner.plan import Plan, SolverStatus
@@ -291,7 +291,7 @@ def planner_at(posed: Posed, budget: int, matches: str, compile_it: bool = False
     (each solve limited to ``solve_seconds``).
 
     Inductor fuses and reorders what the plan's peak was predicted for, so a compiled plan is measured and planned
-    again by the search ``planner.optimize(..., compile=True)`` runs (:func:`planner.compiled.fit_compiled`), its
+    again by the search ``planner.optimize(..., compile=True)`` runs (:func:`planner.compiled.fit_plans`), its
     compiled candidates timed interleaved with the others; that time counts as setup too."""
     example, setting = posed.example, f"budget {format_bytes(budget)}"
     start = time.perf_counter()
@@ -312,8 +312,7 @@ def planner_at(posed: Posed, budget: int, matches: str, compile_it: bool = False
                               example.model, setup_seconds=posed.seconds + time.perf_counter() - start,
                               budget_bytes=budget, matches=matches, predicted_overhead=plan.predicted_overhead,
                               hand_predicted_overhead=best_hand_overhead(posed, budget))
-        fit = fit_compiled(solve, measure, budget, predicted_peak=lambda plan: plan.predicted_peak_bytes,
-                           key=lambda plan: plan.regions, recomputes=lambda plan: bool(plan.regions))
+        fit = fit_plans(solve, measure, budget)
     except InfeasibleBudgetError as error:
         return Candidate("planner", setting, None, None, posed.seconds, compile_it, budget, matches,
                          note=f"infeasible: the smallest peak it plans is "

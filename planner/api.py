@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from .budget import Budget, format_bytes, parse_budget
-from .compiled import CompiledFit, fit_compiled
+from .compiled import CompiledFit, fit_plans
 from .capture import (CapturedGraph, autocast_state, capture, casts_uncached, flat_call_args, input_signature,
                       is_layout_copy, mutated_nodes, outside_autocast, placed_stage_nodes, plan_key)
 from .devices import DeviceSpec, device_spec
@@ -905,8 +905,7 @@ def _fit_compiled(captured: CapturedGraph, posed: Posed, solve: Callable[[int], 
             step()  # compiles
             return fixed + device_allocator_peak_bytes(step, device_type), module
 
-    fit = fit_compiled(solve, measure, usable, predicted_peak=lambda plan: plan.predicted_peak_bytes,
-                       key=lambda plan: plan.regions, recomputes=lambda plan: bool(plan.regions))
+    fit = fit_plans(solve, measure, usable)
     if fit.kept is None:
         peaks = ", ".join(format_bytes(m.peak_bytes) for m in fit.tried)
         raise InfeasibleBudgetError(
@@ -1263,7 +1262,10 @@ def _replannable_budget(plan: Plan) -> int | str:
 
 def apply(model: torch.nn.Module, plan: Plan, example_inputs: Any = None, *,
           example_kwargs: dict | None = None) -> OptimizedModule:
-    """Turn a saved ``plan`` into a module for ``model``; the model and input shapes must match the plan's."""
+    """Turn a saved ``plan`` into a module for ``model``; the model and input shapes must match the plan's.
+
+    The module runs eagerly; a plan made with ``compile=`` (its ``compiled_peak_bytes`` set) peaks where it was
+    measured once the module is passed to ``torch.compile`` with the same arguments."""
     sharding = fsdp.sharding_of(model)
     with fsdp.unsharded_for_capture(model) if sharding is not None else contextlib.nullcontext():
         captured = dataclasses.replace(capture(model, _as_args(example_inputs), example_kwargs,

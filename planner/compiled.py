@@ -28,7 +28,8 @@ from typing import Callable, Generic, TypeVar
 
 from .errors import InfeasibleBudgetError
 
-__all__ = ["CompiledPlan", "CompiledFit", "fit_compiled", "next_target", "COMPILED_REPLANS", "COMPILED_SLACK"]
+__all__ = ["CompiledPlan", "CompiledFit", "fit_compiled", "fit_plans", "next_target", "COMPILED_REPLANS",
+           "COMPILED_SLACK"]
 
 P = TypeVar("P")  # a plan
 T = TypeVar("T")  # what the caller keeps of a compiled plan
@@ -133,3 +134,11 @@ def fit_compiled(solve: Callable[[int], P], measure: Callable[[P], tuple[int, T]
             break
         target = next_target(target, predicted_peak(plan), found.peak_bytes, budget_bytes, fits_at, exceeds_at)
     return CompiledFit(budget_bytes, kept, tuple(measured.values()), solves)
+
+
+def fit_plans(solve: Callable[[int], P], measure: Callable[[P], tuple[int, T]],
+              budget_bytes: int) -> CompiledFit[P, T]:
+    """:func:`fit_compiled` over :class:`~planner.plan.Plan` objects: each predicted at its
+    ``predicted_peak_bytes``, told apart by its ``regions``, recomputing something when it has any."""
+    return fit_compiled(solve, measure, budget_bytes, predicted_peak=lambda plan: plan.predicted_peak_bytes,
+                        key=lambda plan: plan.regions, recomputes=lambda plan: bool(plan.regions))
