@@ -4,6 +4,7 @@
     python -m benchmarks.gpu_check --size tiny        # the same checks at test sizes (what runs on a CPU)
     python -m benchmarks.gpu_check --spec h200        # also the roofline prediction of the eager step on an H200
     python -m benchmarks.gpu_check --out $OUT/GPU.md  # also write the report (machine, table, verdict) there
+    python -m benchmarks.gpu_check --compiled ''      # skip the compile=True check (GPT-2 at tiny size)
 
 For each model it profiles once where the model runs (CUDA events on a GPU, the wall clock on the CPU), then plans
 for the eager peak, 70%, 50% and uniform checkpointing's peak, leaving ``--margin`` of each budget to the
@@ -230,6 +231,47 @@ def check_model(kind: str, size: str, device: str, *, shares=(1.0, 0.7, 0.5), ma
     return rows
 
 
+def check_compiled(kind: str, size: str, device: str, *, budget: str = "70%", out: Callable[[str], Any] = print
+                   ) -> dict[str, Any]:
+    """``planner.optimize(..., compile=True)`` on ``kind`` at ``budget``: the compiled peak its search measured
+    (on CUDA through ``max_memory_allocated``), and one compiled step of the module it returns measured again the
+    same way, beside the compiled model's own step. Returns the numbers (bytes, seconds)."""
+    import planner
+    from planner.meter import device_allocator_peak_bytes, storage_bytes
+
+    torch.manual_seed(0)
+    model, args, kwargs = build(kind, size, device)
+    device_type = torch.device(device).type
+    fixed = storage_bytes(list(model.parameters()) + list(model.buffers()) + list(args))
+    start = time.perf_counter()
+    optimized = planner.optimize(model, budget, example_inputs=args, example_kwargs=kwargs, loss_fn=lambda o: o.loss,
+                                 hold_outputs=False, compile=True, profile_repeats=1)
+    seconds = time.perf_counter() - start
+
+    def step_of(module) -> Callable[[], None]:
+        def step():
+            module(*args, **kwargs).loss.backward()
+            for p in model.parameters():
+                p.grad = None
+        return step
+
+    peaks = {}
+    for name, module in (("compiled model", torch.compile(model)), ("planned", optimized)):
+        step = step_of(module)
+        step()  # compiles
+        peaks[name] = fixed + device_allocator_peak_bytes(step, device_type)
+    plan, mib = optimized.plan, 2**20
+    found = dict(plan=plan.predicted_peak_bytes, search=plan.compiled_peak_bytes, budget=plan.budget_bytes,
+                 measured=peaks["planned"], compiled_model=peaks["compiled model"], seconds=seconds,
+                 plans=dict(plan.extra)["compiled_plans_measured"])
+    out(f"{kind} ({size}) compiled at {budget} = {found['budget'] / mib:.1f} MiB: {found['plans']} plan(s) compiled "
+        f"in {seconds:.0f} s; kept plan predicted {found['plan'] / mib:.1f} MiB eagerly, its compiled step "
+        f"{found['search'] / mib:.1f} MiB in the search and {found['measured'] / mib:.1f} MiB measured again "
+        f"(compiled model: {found['compiled_model'] / mib:.1f} MiB); "
+        + ("fits" if found["measured"] <= found["budget"] else "EXCEEDS the budget"))
+    return found
+
+
 def table(rows: list[Row]) -> str:
     """The rows as a fixed-width table."""
     mib = 2**20
@@ -262,6 +304,8 @@ def main(argv: list[str] | None = None) -> list[Row]:
     parser.add_argument("--solve-seconds", type=float, default=20.0, help="the solver's time for each plan")
     parser.add_argument("--spec", help="also predict the eager step with this device's roofline (e.g. h200)")
     parser.add_argument("--out", help="also write the report (Markdown) there")
+    parser.add_argument("--compiled", default="gpt2", metavar="MODEL",
+                        help="also plan this model at tiny size with compile=True ('' for none)")
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore", category=FutureWarning)
     warnings.filterwarnings("ignore", category=DeprecationWarning)
@@ -282,6 +326,11 @@ def main(argv: list[str] | None = None) -> list[Row]:
             say(f"{kind} failed:\n{traceback.format_exc()}")
         if args.device.startswith("cuda"):
             torch.cuda.empty_cache()
+    if args.compiled:
+        try:
+            check_compiled(args.compiled, "tiny", args.device, out=say)
+        except Exception:
+            say(f"{args.compiled} compiled failed:\n{traceback.format_exc()}")
     report = [table(rows), verdict(rows), f"total {time.perf_counter() - started:.0f} s"] if rows else \
         ["no model ran", f"total {time.perf_counter() - started:.0f} s"]
     for line in report:

@@ -29,7 +29,7 @@ def test_gpu_check_plans_measures_and_tabulates_at_tiny_size():
 
 def test_gpu_check_reports_a_failing_model_and_runs_the_others(tmp_path, capsys):
     """One prepared run on a lent GPU: a model that fails is reported with its traceback, the rest still run, and
-    the report (machine, table, verdict) is written where asked."""
+    the report (machine, table, verdict, the compile=True check) is written where asked."""
     out = tmp_path / "GPU.md"
     rows = gpu_check.main(["--device", "cpu", "--size", "tiny", "--models", "nosuch,llama", "--repeats", "1",
                            "--out", str(out)])
@@ -37,6 +37,7 @@ def test_gpu_check_reports_a_failing_model_and_runs_the_others(tmp_path, capsys)
     report = out.read_text()
     assert "nosuch failed:" in report and "KeyError" in report and "Machine: " in report
     assert "meas/pred" in report and "peak within 3%: " in report
+    assert "gpt2 (tiny) compiled at 70%" in report and report.split("compiled at 70%")[1].split("\n")[0].endswith("fits")
     assert "nosuch failed:" in capsys.readouterr().out
 
 
