@@ -3,6 +3,7 @@
 .. code-block:: text
 
     planner plan model.py:build --budget 8GB -o plan.json     # or package.module:build; --json prints the plan
+    planner plan model.py:build --budget 8GB --compile        # the budget holds for the torch.compile'd step
     planner explain plan.json
     planner sweep model.py:build --budgets 30%,50%,70%,100% --csv sweep.csv --png sweep.png
 
@@ -38,7 +39,8 @@ from typing import Any, Callable, Iterator, Sequence, TextIO
 import torch
 
 from . import __version__, solvers
-from .api import allocator_margin_for, capture_for, captured_device_type, device_budget, fingerprint, pose
+from .api import (Posed, _compile_options, _plan_captured, allocator_margin_for, capture_for, captured_device_type,
+                  device_budget, fingerprint, pose)
 from .budget import Budget, format_bytes, parse_budget
 from .devices import device_spec
 from .capture import CapturedGraph
@@ -92,7 +94,8 @@ class Progress:
 
 @contextlib.contextmanager
 def quiet_torch() -> Iterator[None]:
-    """Keep torch's own diagnostics off stderr: log warnings, and the partial graph export prints on failure.
+    """Keep torch's own diagnostics off stderr: log warnings, the partial graph export prints on failure, and what
+    its C++ side writes to file descriptor 2 (the profiler's start and stop lines, in some builds).
 
     >>> with quiet_torch():
     ...     print("lost", file=sys.stderr)
@@ -100,10 +103,15 @@ def quiet_torch() -> Iterator[None]:
     logger = logging.getLogger("torch")
     level = logger.level
     logger.setLevel(logging.CRITICAL)
+    saved, devnull = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 2)
     try:
         with contextlib.redirect_stderr(io.StringIO()):
             yield
     finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
         logger.setLevel(level)
 
 
@@ -202,18 +210,21 @@ class Session:
     allocator_margin: float = 0.0
     solver_options: dict = dataclasses.field(default_factory=dict)  # time limit and progress for auto, dp, ilp
     granularity: Granularity = Granularity.BLOCK
+    posed: Posed | None = None  # the profile the problem came from (for planning under torch.compile)
 
     def usable(self, budget_bytes: int) -> int:
         """What a plan may use of ``budget_bytes``: the budget less the allocator margin."""
         return usable_bytes(budget_bytes, self.allocator_margin)
 
+    def options_for(self, method: str) -> dict:
+        """The solver options ``method`` takes: time limit and progress for auto and dp, the time limit for ilp."""
+        options = self.solver_options if method in ("auto", "dp", "ilp") else {}
+        return {k: v for k, v in options.items() if k == "time_limit"} if method == "ilp" else options
+
     def solve(self, budget: Budget, method: str) -> Plan:
         """Plan under ``budget`` with ``method`` and record where the plan comes from."""
         budget_bytes = budget.resolve(self.eager_peak_bytes)
-        options = self.solver_options if method in ("auto", "dp", "ilp") else {}
-        if method == "ilp":
-            options = {k: v for k, v in options.items() if k == "time_limit"}
-        plan = solvers.solve(self.problem, self.usable(budget_bytes), method=method, **options)
+        plan = solvers.solve(self.problem, self.usable(budget_bytes), method=method, **self.options_for(method))
         first = next(self.model.parameters(), None)
         return dataclasses.replace(plan, budget_bytes=budget_bytes, budget_text=budget.text,
                                    stage_nodes=self.stage_nodes, fingerprint=fingerprint(self.captured),
@@ -243,7 +254,16 @@ def open_session(args: argparse.Namespace, progress: Progress) -> Session:
     if args.solver_progress and progress.enabled:
         options["progress"] = lambda line: progress.note(line)
     return Session(model, captured, problem, posed.stage_nodes, eager, posed.timing, margin, options,
-                   posed.granularity)
+                   posed.granularity, posed)
+
+
+def solve_compiled(session: Session, budget: Budget, method: str) -> Plan:
+    """Plan under ``budget`` for the compiled step, as ``planner.optimize(..., compile=True)`` does: each plan is
+    compiled with ``torch.compile``'s defaults and one step measured (:mod:`planner.compiled`)."""
+    return _plan_captured(session.model, session.captured, budget, loss_fn=None, optimizer=None, solver=method,
+                          max_stages=session.problem.num_stages, profile_repeats=0,
+                          solver_options=session.options_for(method), allocator_margin=session.allocator_margin,
+                          posed=session.posed, granularity=session.granularity, compile={}).plan
 
 
 def _infeasible(budget: Budget, budget_bytes: int, minimum: int | None, why: str) -> InfeasibleBudgetError:
@@ -268,10 +288,18 @@ def run_plan(args: argparse.Namespace, progress: Progress) -> int:
                            hint="e.g. --budget 8GB, --budget 60%, or --device h100")
     if args.budget is not None:
         parse_budget(args.budget)  # a malformed budget fails before the model is built
+    if args.compile:
+        _compile_options(True, args.device)  # not with --device: nothing runs there to measure
     session = open_session(args, progress)
     budget = device_budget(args.budget, device_spec(args.device) if args.device else None,
                            captured_device_type(session.captured))
     budget_bytes = budget.resolve(session.eager_peak_bytes)
+    if args.compile:
+        with progress.step(f"solving for {format_bytes(session.usable(budget_bytes))} with {args.solver} under "
+                           f"torch.compile, measuring each compiled plan"), quiet_torch():
+            plan = solve_compiled(session, budget, args.solver)
+        progress.note(f"compiled step measured {format_bytes(plan.compiled_peak_bytes)}")
+        return _print_plan(plan, args, progress)
     with progress.step(f"solving for {format_bytes(session.usable(budget_bytes))} with {args.solver}"):
         try:
             plan = session.solve(budget, args.solver)
@@ -285,6 +313,10 @@ def run_plan(args: argparse.Namespace, progress: Progress) -> int:
     if plan.predicted_peak_bytes > session.usable(budget_bytes):
         raise _infeasible(budget, budget_bytes, plan.predicted_peak_bytes,
                           f"the {plan.solver} rule peaks at {format_bytes(plan.predicted_peak_bytes)}")
+    return _print_plan(plan, args, progress)
+
+
+def _print_plan(plan: Plan, args: argparse.Namespace, progress: Progress) -> int:
     if args.output:
         _write(args.output, plan.to_json() + "\n")
         progress.note(f"wrote {args.output}")
@@ -477,6 +509,8 @@ def build_parser() -> argparse.ArgumentParser:
                                        "with --device, all of its memory when left out")
     plan.add_argument("-o", "--output", metavar="PLAN.json", help="write the plan here")
     plan.add_argument("--solver", default="auto", choices=solvers.METHODS)
+    plan.add_argument("--compile", action="store_true",
+                      help="fit the budget for the step under torch.compile: each plan is compiled and measured")
     plan.set_defaults(run=run_plan)
     show = commands.add_parser("explain", parents=[_common(False)], help="what a plan keeps and recomputes")
     show.add_argument("plan", metavar="PLAN.json")

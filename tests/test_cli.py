@@ -76,6 +76,8 @@ IN_PROCESS = {  # the same checks through cli.main, without a torch import each
     "no_budget": ["plan", "factory.py:build", "-q"],
     "unknown_device": ["plan", "factory.py:build", "--device", "v100", "-q"],
     "layer": ["plan", "factory.py:build", "--budget", "50%", "--granularity", "layer", "--json", "-q", *QUICK],
+    "compiled": ["plan", "factory.py:build", "--budget", "60%", "--compile", "--json", "-q", *QUICK],
+    "compile_for_device": ["plan", "factory.py:build", "--device", "h100", "--compile", "-q"],
 }
 
 
@@ -306,3 +308,16 @@ def test_explain_tensors_lists_what_becomes_of_each_tensor(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "    recomputed      4.00 KiB  h0" in out and "    kept            1.00 KiB  x0" in out
     assert cli.main(["explain", str(path)]) == 0 and "h0" not in capsys.readouterr().out
+
+
+def test_compile_plans_for_the_compiled_step_and_records_its_measured_peak(runs):
+    run = runs["compiled"]
+    assert run.code == 0, run.stderr
+    plan = Plan.from_dict(json.loads(run.stdout))
+    assert plan.compiled_peak_bytes is not None and plan.compiled_peak_bytes <= plan.budget_bytes
+    assert dict(plan.extra)["compiled_plans_measured"] >= 1
+
+
+def test_compile_with_a_device_to_plan_for_is_a_usage_error(runs):
+    run = runs["compile_for_device"]
+    assert run.code == 2 and "roofline" in run.stderr and len(run.stderr.strip().splitlines()) == 1
