@@ -1179,7 +1179,9 @@ class OptimizedModule(torch.nn.Module):
             return getattr(modules["model"], name)
 
     def extra_repr(self) -> str:
-        return f"budget={self.budget!r}, plans={len(self._planned)}"
+        compiled = self._options.get("compile")
+        return f"budget={self.budget!r}, plans={len(self._planned)}" + (
+            "" if compiled is None else f", compile={compiled or True!r}")
 
 
 def optimize(model: torch.nn.Module, budget: int | str | None, example_inputs: Any = None, *,

@@ -127,6 +127,7 @@ def test_optimize_with_compile_measures_the_compiled_step_within_budget_and_trai
     rng = torch.get_rng_state()
     opt = planner.optimize(model, "60%", example_inputs=(X,), loss_fn=_square_mean, profile_repeats=1, compile=True)
     assert torch.equal(torch.get_rng_state(), rng)  # planning, compiled steps included, leaves no trace
+    assert "plans=1, compile=True" in repr(opt)
     assert all(p.grad is None for p in model.parameters())
     extra = dict(opt.plan.extra)
     assert extra["compiled_peak_bytes"] <= opt.plan.budget_bytes and extra["compiled_plans_measured"] >= 1
