@@ -92,10 +92,11 @@ def fit_compiled(solve: Callable[[int], P], measure: Callable[[P], tuple[int, T]
 
     The first plan is solved for the budget itself. Each plan is measured (``measure``) unless one with the same
     ``key`` (its regions) already was; the next target comes from :func:`next_target`. The search stops when a
-    fitting plan is within ``slack`` of the budget or recomputes nothing (``recomputes``), when no target is left between the
-    fitting and the exceeding ones or the next target was solved for already, or after ``replans`` more plans were compiled. When the solver has no plan left
-    below a target, the plan needing the least memory is tried once. The first solve's
-    :class:`~planner.errors.InfeasibleBudgetError` propagates: no plan reaches the budget even before compiling.
+    fitting plan is within ``slack`` of the budget or recomputes nothing (``recomputes``), when no target is left
+    between the fitting and the exceeding ones or the next target was solved for already, or after ``replans`` more
+    plans were compiled. When the solver has no plan left below a target, the plan needing the least memory is
+    tried once. The first solve's :class:`~planner.errors.InfeasibleBudgetError` propagates: no plan reaches the
+    budget even before compiling.
 
     >>> def solve(target):  # plans land at multiples of 100; compiled, each needs 150 more
     ...     return min(1000, target - target % 100)
