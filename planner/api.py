@@ -27,6 +27,7 @@ from typing import Any, Callable, Iterable, Sequence
 import numpy as np
 import torch
 
+from .attention import without_unmasking_mask
 from .budget import Budget, format_bytes, parse_budget
 from .compiled import CompiledFit, fit_plans
 from .capture import (CapturedGraph, autocast_state, capture, casts_uncached, flat_call_args, input_signature,
@@ -958,10 +959,10 @@ def plan(model: torch.nn.Module, budget: int | str | None, example_inputs: Any =
                    profile_repeats=profile_repeats, solver_options=solver_options, hold_outputs=hold_outputs,
                    device=device, allocator_margin=allocator_margin, ddp=ddp,
                    granularity=granularity_of(granularity), compile=_compile_options(compile, device))
+    example_kwargs = without_unmasking_mask(model, dict(example_kwargs or {}))
     sharding = fsdp.sharding_of(model)
     if sharding is not None:
-        return _plan_sharded(model, _as_args(example_inputs), dict(example_kwargs or {}), sharding, budget,
-                             options).plan
+        return _plan_sharded(model, _as_args(example_inputs), example_kwargs, sharding, budget, options).plan
     captured = capture_for(model, _as_args(example_inputs), example_kwargs, device)
     return _plan_captured(model, captured, budget, **options).plan
 
@@ -1137,8 +1138,9 @@ class OptimizedModule(torch.nn.Module):
         """When ``fully_shard`` was applied to this module, a missing plan is made before FSDP's own forward hooks
         run (they gather parameters and begin a step planning must not be inside of)."""
         if fsdp.is_sharded(self) and self.training and torch.is_grad_enabled() and self._parts is None:
-            if self._key(args, kwargs, fsdp.units_signature(self.model, self)) not in self._planned:
-                self._plan_for(args, kwargs)
+            planned_kwargs = without_unmasking_mask(self.model, kwargs)
+            if self._key(args, planned_kwargs, fsdp.units_signature(self.model, self)) not in self._planned:
+                self._plan_for(args, planned_kwargs)
         return super().__call__(*args, **kwargs)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -1147,6 +1149,7 @@ class OptimizedModule(torch.nn.Module):
         if self._parts is not None:
             with parts_planned(self.model, self._parts):
                 return self.model(*args, **kwargs)
+        kwargs = without_unmasking_mask(self.model, kwargs)
         sharded = fsdp.units_signature(self.model, self)
         key = self._key(args, kwargs, sharded)
         if key not in self._planned:
@@ -1247,7 +1250,7 @@ def optimize(model: torch.nn.Module, budget: int | str | None, example_inputs: A
         parse_budget(budget)  # fail early on a malformed budget
     optimized = OptimizedModule(model, budget, planner_options=options)
     if example_inputs is not None or example_kwargs:
-        optimized._plan_for(_as_args(example_inputs), dict(example_kwargs or {}))
+        optimized._plan_for(_as_args(example_inputs), without_unmasking_mask(model, dict(example_kwargs or {})))
     return optimized
 
 
@@ -1269,6 +1272,7 @@ def apply(model: torch.nn.Module, plan: Plan, example_inputs: Any = None, *,
     The module runs eagerly; a plan made with ``compile=`` (its ``compiled_peak_bytes`` set) peaks where it was
     measured once the module is passed to ``torch.compile`` with the same arguments."""
     sharding = fsdp.sharding_of(model)
+    example_kwargs = without_unmasking_mask(model, dict(example_kwargs or {}))
     with fsdp.unsharded_for_capture(model) if sharding is not None else contextlib.nullcontext():
         captured = dataclasses.replace(capture(model, _as_args(example_inputs), example_kwargs,
                                                replay_dropout=not plan.timing.startswith("analytic")),

@@ -16,7 +16,9 @@ float) or lets every query see every key, calls the kernel with ``is_causal`` or
 that built the mask go. The graph is captured for fixed shapes (plans are keyed by them), so the mask is the same
 in every step. :func:`group_repeated_heads` then hands an unmasked call without dropout its key and value heads
 uncopied with ``enable_gqa``, where the kernel that will run takes them so (:func:`kernel_shares_heads`).
-:func:`restore_attention` runs both; :func:`planner.capture.capture` calls it.
+:func:`restore_attention` runs both; :func:`planner.capture.capture` calls it. A mask given as an input stays, but
+for a Hugging Face model an ``attention_mask`` of ones means no mask, and :func:`without_unmasking_mask` drops it
+before planning and before each training call (:mod:`planner.api`).
 
 >>> import torch
 >>> class Causal(torch.nn.Module):
@@ -36,6 +38,7 @@ from __future__ import annotations
 
 import enum
 import functools
+import sys
 from typing import Any
 
 import torch
@@ -331,3 +334,30 @@ def group_repeated_heads(graph_module: fx.GraphModule) -> int:
 def restore_attention(graph_module: fx.GraphModule) -> int:
     """:func:`drop_constant_masks`, then :func:`group_repeated_heads`; returns how many calls changed."""
     return drop_constant_masks(graph_module) + group_repeated_heads(graph_module)
+
+
+def without_unmasking_mask(model: torch.nn.Module, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``kwargs`` without an ``attention_mask`` that masks nothing (every entry 1) when ``model`` is a Hugging Face
+    model, which treats such a mask as no mask: its ``sdpa`` path drops it before the kernel (it checks
+    ``mask.all()`` when not traced), and the others add a mask of zeros. Exported, the model cannot look at the
+    values, so the captured graph would hand the kernel a mask built from it, and keep the masked kernel that
+    :func:`drop_constant_masks` hands back for a batch without padding. Tokenizers and data collators pass such
+    masks for unpadded batches, so the planned module plans and runs them as the model given none does; a batch
+    with padding keeps its mask, and plans apart (another input signature). Anything else is returned as is.
+
+    >>> import torch
+    >>> without_unmasking_mask(torch.nn.Linear(2, 2), {"attention_mask": torch.ones(2, 4)})  # not Hugging Face
+    {'attention_mask': tensor([[1., 1., 1., 1.],
+            [1., 1., 1., 1.]])}
+    """
+    mask = kwargs.get("attention_mask")
+    if not isinstance(mask, torch.Tensor) or mask.device.type == "meta" or not _is_hugging_face(model):
+        return kwargs
+    if not bool((mask == 1).all()):
+        return kwargs
+    return {name: value for name, value in kwargs.items() if name != "attention_mask"}
+
+
+def _is_hugging_face(model: torch.nn.Module) -> bool:
+    transformers = sys.modules.get("transformers")
+    return transformers is not None and isinstance(model, transformers.PreTrainedModel)

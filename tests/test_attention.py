@@ -141,6 +141,65 @@ def test_padding_given_as_an_input_keeps_its_mask():
     assert all(c["attn_mask"] is not None for c in attention_calls(captured.graph_module))
 
 
+def _hugging_face(name: str, **fields):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config, model = {"gpt2": ("GPT2Config", "GPT2LMHeadModel"), "llama": ("LlamaConfig", "LlamaForCausalLM"),
+                     "bert": ("BertConfig", "BertForMaskedLM")}[name]
+    return getattr(transformers, model)(getattr(transformers, config)(**fields)).train()
+
+
+def test_an_all_ones_mask_is_dropped_for_hugging_face_models_only():
+    from planner.attention import without_unmasking_mask
+
+    model = _hugging_face("gpt2", vocab_size=64, n_positions=32, n_embd=32, n_layer=1, n_head=4)
+    ids = torch.randint(0, 64, (2, 32))
+    ones, padded = torch.ones_like(ids), torch.ones_like(ids).index_fill_(1, torch.tensor([30, 31]), 0)
+    assert without_unmasking_mask(model, {"input_ids": ids, "attention_mask": ones}).keys() == {"input_ids"}
+    assert without_unmasking_mask(model, {"attention_mask": ones.bool()}) == {}
+    assert without_unmasking_mask(model, {"attention_mask": padded})["attention_mask"] is padded
+    assert without_unmasking_mask(model, {"attention_mask": None}) == {"attention_mask": None}
+    assert without_unmasking_mask(torch.nn.Linear(2, 2), {"attention_mask": ones})["attention_mask"] is ones
+
+
+HUGGING_FACE_CONFIGS = {  # no attention dropout, which capture spells out on the CPU: the kernel calls stay
+    "gpt2": dict(vocab_size=64, n_positions=64, n_embd=32, n_layer=2, n_head=4, attn_pdrop=0.0),
+    "llama": dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2),
+    "bert": dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 max_position_embeddings=64, attention_probs_dropout_prob=0.0),
+}
+
+
+@pytest.mark.parametrize("name", HUGGING_FACE_CONFIGS)
+def test_a_tokenizers_all_ones_mask_plans_and_trains_as_no_mask_and_padding_keeps_its_own(name):
+    """What a tokenizer hands over for an unpadded batch (``attention_mask`` of ones) is planned and run as the model
+    given no mask (the kernel called causal or unmasked), and trains bit for bit like the model given it, its other
+    dropouts included; a padded batch of the same shape plans apart, masked, and trains like the model too."""
+    import planner
+
+    model = _hugging_face(name, **HUGGING_FACE_CONFIGS[name])
+    ids = torch.randint(0, 64, (2, 64))
+    optimized = planner.optimize(model, "85%", example_kwargs={"input_ids": ids, "attention_mask": torch.ones_like(
+        ids), "labels": ids}, profile_repeats=0)
+    calls = attention_calls(optimized.planned.captured.graph_module)
+    assert calls and all(c["attn_mask"] is None for c in calls)
+    assert all(c["is_causal"] for c in calls) == (name != "bert")
+    padded = torch.ones_like(ids).index_fill_(1, torch.arange(56, 64), 0)
+    for mask in (torch.ones_like(ids), padded):
+        results = []
+        for module in (optimized, model):
+            torch.manual_seed(1)
+            loss = module(input_ids=ids, attention_mask=mask, labels=ids).loss
+            loss.backward()
+            results.append((loss.detach(), {k: p.grad.clone() for k, p in model.named_parameters()}))
+            model.zero_grad(set_to_none=True)
+        (planned_loss, planned_grads), (loss, grads) = results
+        assert torch.equal(planned_loss, loss) and all(torch.equal(planned_grads[k], grads[k]) for k in grads)
+    assert len(optimized._planned) == 2  # the padded batch was planned apart, with its mask
+    assert any(c["attn_mask"] is not None for c in attention_calls(optimized.planned.captured.graph_module))
+
+
 def test_a_graph_captured_on_meta_works_its_mask_out_on_the_cpu():
     transformers = pytest.importorskip("transformers")
     config = transformers.LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
