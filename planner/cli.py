@@ -41,6 +41,7 @@ import torch
 from . import __version__, solvers
 from .api import (Posed, _compile_options, _plan_captured, allocator_margin_for, capture_for, captured_device_type,
                   device_budget, fingerprint, pose)
+from .attention import without_unmasking_mask
 from .budget import Budget, format_bytes, parse_budget
 from .devices import device_spec
 from .capture import CapturedGraph
@@ -239,7 +240,7 @@ def open_session(args: argparse.Namespace, progress: Progress) -> Session:
     with progress.step(f"building the model from {args.model}"):
         model, inputs, kwargs = build_model(args.model)
     with progress.step(f"capturing {type(model).__name__}"), quiet_torch():
-        captured = capture_for(model, inputs, kwargs, args.device)
+        captured = capture_for(model, inputs, without_unmasking_mask(model, kwargs), args.device)  # as apply()
     timed = f"analytic times for {args.device}" if args.device else f"{args.profile_repeats} timed run(s)"
     with progress.step(f"profiling ({timed})"), quiet_torch():
         posed = pose(captured, max_stages=args.max_stages, profile_repeats=args.profile_repeats, device=args.device,

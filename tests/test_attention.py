@@ -289,3 +289,16 @@ def test_a_graph_captured_on_meta_groups_heads_for_16_bit_attention_only():
         ids = torch.zeros(1, 64, dtype=torch.long, device="meta")
         captured = capture(model, (ids,), {"labels": ids}, replay_dropout=False)
         assert all(c["enable_gqa"] is grouped for c in attention_calls(captured.graph_module)), dtype
+
+
+def test_a_plan_made_with_an_all_ones_mask_applies_to_the_same_inputs():
+    """``plan`` and ``apply`` (and the CLI, which captures as ``plan`` does) drop the mask alike, so the plan's
+    fingerprint is the one ``apply`` finds."""
+    import planner
+
+    model = _hugging_face("gpt2", **HUGGING_FACE_CONFIGS["gpt2"])
+    ids = torch.randint(0, 64, (2, 64))
+    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+    plan = planner.Plan.from_json(planner.plan(model, "85%", example_kwargs=inputs, profile_repeats=0).to_json())
+    applied = planner.apply(model, plan, example_kwargs=inputs)
+    assert applied.plan.fingerprint == plan.fingerprint and applied(**inputs).loss.requires_grad
