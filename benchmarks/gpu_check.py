@@ -125,6 +125,16 @@ def attention_summary(graph_module) -> str:
             f"{sum(a['attn_mask'] is not None for a in calls)} with a mask")
 
 
+def step_of(module: torch.nn.Module, model: torch.nn.Module, args: tuple, kwargs: dict) -> Callable[[], None]:
+    """One forward and backward of ``module`` (``model``'s parameters) on the inputs, the output's loss dropped
+    before the backward; the gradients it makes are dropped afterwards."""
+    def step():
+        module(*args, **kwargs).loss.backward()
+        for p in model.parameters():
+            p.grad = None
+    return step
+
+
 def measure(step: Callable[[], None], fixed: list[torch.Tensor], on_cuda: bool,
             repeats: int, out: Callable[[str], Any] = print) -> tuple[int, int | None, float]:
     """Peak bytes of one ``step()`` (with ``fixed`` tensors), what the allocator reserved, and its time; on CUDA,
@@ -193,18 +203,12 @@ def check_model(kind: str, size: str, device: str, *, shares=(1.0, 0.7, 0.5), ma
         f"in {time.perf_counter() - start:.1f} s; {attention_summary(captured.graph_module)}")
     fixed = list(model.parameters()) + list(model.buffers()) + list(args)
 
-    def step_of(module) -> Callable[[], None]:
-        def step():
-            module(*args, **kwargs).loss.backward()
-            for p in model.parameters():
-                p.grad = None
-        return step
-
     eager = simulate(problem, Schedule.store_all(problem.num_stages))
     # what the cost model predicts is the captured graph's step, and what recomputation adds to it; the model as
     # written runs a little apart from its graph (module calls, other kernels), so it is shown beside, not judged
-    model_peak, _, model_seconds = measure(step_of(model), fixed, on_cuda, repeats, out)
-    peak0, reserved0, eager_seconds = measure(step_of(captured.graph_module), fixed, on_cuda, repeats, out)
+    model_peak, _, model_seconds = measure(step_of(model, model, args, kwargs), fixed, on_cuda, repeats, out)
+    peak0, reserved0, eager_seconds = measure(step_of(captured.graph_module, model, args, kwargs), fixed, on_cuda,
+                                              repeats, out)
     out(f"  the model as written: peak {model_peak / 2**20:.1f} MiB, step {model_seconds * 1e3:.1f} ms; its "
         f"captured graph: {peak0 / 2**20:.1f} MiB, {eager_seconds * 1e3:.1f} ms")
     if spec is not None:
@@ -222,7 +226,7 @@ def check_model(kind: str, size: str, device: str, *, shares=(1.0, 0.7, 0.5), ma
             out(f"  {label}: infeasible")
             continue
         module = planned_module(captured, plan, posed.stage_nodes)
-        peak, reserved, seconds = measure(step_of(module), fixed, on_cuda, repeats, out)
+        peak, reserved, seconds = measure(step_of(module, model, args, kwargs), fixed, on_cuda, repeats, out)
         out(f"  {label}: solved in {plan.solve_seconds:.1f} s ({plan.solver}, gap {plan.gap or 0:.1%}); peak "
             f"{peak / 2**20:.1f} MiB for {plan.predicted_peak_bytes / 2**20:.1f} predicted, step "
             f"{seconds * 1e3:.1f} ms")
@@ -248,16 +252,9 @@ def check_compiled(kind: str, size: str, device: str, *, budget: str = "70%", ou
                                  hold_outputs=False, compile=True, profile_repeats=1)
     seconds = time.perf_counter() - start
 
-    def step_of(module) -> Callable[[], None]:
-        def step():
-            module(*args, **kwargs).loss.backward()
-            for p in model.parameters():
-                p.grad = None
-        return step
-
     peaks = {}
     for name, module in (("compiled model", torch.compile(model)), ("planned", optimized)):
-        step = step_of(module)
+        step = step_of(module, model, args, kwargs)
         step()  # compiles
         peaks[name] = fixed + device_allocator_peak_bytes(step, device_type)
     plan, mib = optimized.plan, 2**20
