@@ -1,12 +1,16 @@
-"""planner.compiled: the search for a plan whose compiled step fits (hand-built plans, no torch), and
+"""planner.compiled: the search for a plan whose compiled step fits (on hand-built plans: tuples, no tensors), and
 ``planner.optimize(..., compile=True)`` on a real model."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
+import planner
 from planner.compiled import COMPILED_SLACK, fit_compiled, next_target
 from planner.errors import InfeasibleBudgetError
+from planner.meter import allocator_peak_bytes, storage_bytes
+from tests.helpers import Dropping, StepResult, assert_same_training
 
 
 class Plans:
@@ -97,12 +101,6 @@ def test_next_target_scales_by_the_miss_within_the_bracket(target, predicted, pe
 
 
 # --- planner.optimize(..., compile=True) ---------------------------------------------------------------------------
-
-torch = pytest.importorskip("torch")
-
-import planner  # noqa: E402
-from planner.meter import allocator_peak_bytes, storage_bytes  # noqa: E402
-from tests.helpers import Dropping, StepResult, assert_same_training  # noqa: E402
 
 WIDTH = 32
 X = torch.randn(256, WIDTH)
