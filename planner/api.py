@@ -30,8 +30,8 @@ import torch
 from .attention import without_unmasking_mask
 from .budget import Budget, format_bytes, parse_budget
 from .compiled import CompiledFit, fit_plans
-from .capture import (CapturedGraph, autocast_state, capture, casts_uncached, flat_call_args, input_signature,
-                      is_layout_copy, mutated_nodes, outside_autocast, placed_stage_nodes, plan_key)
+from .capture import (CapturedGraph, autocast_state, capture, casts_uncached, input_signature, is_layout_copy,
+                      mutated_nodes, outside_autocast, placed_stage_nodes, plan_key)
 from .devices import DeviceSpec, device_spec
 from .meta import device_type_of, target_kernels
 from .timing import AnalyticStopwatch, Estimate, stopwatch_for
@@ -42,9 +42,9 @@ from .dropout import is_mask, is_state
 from .errors import InfeasibleBudgetError, PlannerError
 from .plan import Plan, SolverStatus, budget_for_usable, usable_bytes
 from .problem import Problem, RecomputeOption, Region, Schedule, recompute_seconds, region_caches, simulate
-from .meter import device_allocator_peak_bytes, storage_bytes
-from .profile import (StageMeasurement, default_loss, fixed_tensors, measure_stages,
-                      paired_step_seconds, preserved_training_state, profile_graph)
+from .meter import device_allocator_peak_bytes
+from .profile import (StageMeasurement, default_loss, measure_stages, paired_step_seconds, preserved_training_state,
+                      profile_graph)
 from .parts import PartialCaptureWarning, ReducedBudget, capturable_parts, parts_planned, record_calls
 from .rewrite import apply_plan
 from .solvers.baselines import block_checkpoints
@@ -846,9 +846,7 @@ def _plan_captured(model, captured: CapturedGraph, budget, *, loss_fn, optimizer
     try:
         if compile is not None:
             fit = _fit_compiled(captured, posed, solve, usable_bytes(budget_bytes, margin),
-                                compile_options=compile, loss_fn=loss_fn,
-                                hold_outputs=hold_outputs, fixed_bytes=training_state_bytes(captured.graph_module,
-                                                                                            optimizer, ddp))
+                                compile_options=compile, loss_fn=loss_fn, hold_outputs=hold_outputs)
             result, compiled_module = fit.kept.plan, fit.kept.payload
             compiled_extra = (("compiled_peak_bytes", fit.kept.peak_bytes),
                               ("compiled_plans_measured", len(fit.tried)),
@@ -889,14 +887,13 @@ def _compiled_training_step(module: torch.nn.Module, captured: CapturedGraph, lo
 
 
 def _fit_compiled(captured: CapturedGraph, posed: Posed, solve: Callable[[int], Plan], usable: int, *,
-                  compile_options: dict, loss_fn: Callable | None,
-                  hold_outputs: bool, fixed_bytes: int) -> CompiledFit:
+                  compile_options: dict, loss_fn: Callable | None, hold_outputs: bool) -> CompiledFit:
     """Plan for ``usable`` bytes under ``torch.compile(**compile_options)``: each plan is compiled and one training
-    step measured through the device's allocator (:func:`~planner.compiled.fit_compiled`); raises
-    :class:`InfeasibleBudgetError` naming the lowest compiled peak when no compiled plan fits."""
+    step measured through the device's allocator (:func:`~planner.compiled.fit_plans`), on top of what the problem
+    holds fixed (parameters, buffers, inputs, optimizer state); raises :class:`InfeasibleBudgetError` naming the
+    lowest compiled peak when no compiled plan fits."""
     gm = captured.graph_module
-    flat = flat_call_args(captured, captured.example_args, captured.example_kwargs)
-    fixed = storage_bytes(fixed_tensors(gm, flat)) + fixed_bytes
+    fixed = posed.problem.fixed_bytes
     device_type = captured_device_type(captured)
 
     def measure(plan: Plan) -> tuple[int, torch.nn.Module]:
