@@ -204,14 +204,26 @@ class Session:
 
     model: torch.nn.Module
     captured: CapturedGraph
-    problem: Problem
-    stage_nodes: tuple[tuple[str, ...], ...]
+    posed: Posed  # the problem, its stages' nodes, where its times came from and where the stages were cut
     eager_peak_bytes: int
-    timing: str = "wall_clock"
     allocator_margin: float = 0.0
     solver_options: dict = dataclasses.field(default_factory=dict)  # time limit and progress for auto, dp, ilp
-    granularity: Granularity = Granularity.BLOCK
-    posed: Posed | None = None  # the profile the problem came from (for planning under torch.compile)
+
+    @property
+    def problem(self) -> Problem:
+        return self.posed.problem
+
+    @property
+    def stage_nodes(self) -> tuple[tuple[str, ...], ...]:
+        return self.posed.stage_nodes
+
+    @property
+    def timing(self) -> str:
+        return self.posed.timing
+
+    @property
+    def granularity(self) -> Granularity:
+        return self.posed.granularity
 
     def usable(self, budget_bytes: int) -> int:
         """What a plan may use of ``budget_bytes``: the budget less the allocator margin."""
@@ -234,6 +246,14 @@ class Session:
                                    allocator_margin=self.allocator_margin,
                                    extra=plan.extra + self.granularity.plan_extra)
 
+    def solve_compiled(self, budget: Budget, method: str) -> Plan:
+        """Plan under ``budget`` for the compiled step, as ``planner.optimize(..., compile=True)`` does: each plan
+        is compiled with ``torch.compile``'s defaults and one step measured (:mod:`planner.compiled`)."""
+        return _plan_captured(self.model, self.captured, budget, loss_fn=None, optimizer=None, solver=method,
+                              max_stages=self.problem.num_stages, profile_repeats=0,
+                              solver_options=self.options_for(method), allocator_margin=self.allocator_margin,
+                              posed=self.posed, granularity=self.granularity, compile={}).plan
+
 
 def open_session(args: argparse.Namespace, progress: Progress) -> Session:
     """Build the model from ``args.model``, capture it and profile it."""
@@ -254,17 +274,7 @@ def open_session(args: argparse.Namespace, progress: Progress) -> Session:
     options: dict = {"time_limit": args.time_limit}
     if args.solver_progress and progress.enabled:
         options["progress"] = lambda line: progress.note(line)
-    return Session(model, captured, problem, posed.stage_nodes, eager, posed.timing, margin, options,
-                   posed.granularity, posed)
-
-
-def solve_compiled(session: Session, budget: Budget, method: str) -> Plan:
-    """Plan under ``budget`` for the compiled step, as ``planner.optimize(..., compile=True)`` does: each plan is
-    compiled with ``torch.compile``'s defaults and one step measured (:mod:`planner.compiled`)."""
-    return _plan_captured(session.model, session.captured, budget, loss_fn=None, optimizer=None, solver=method,
-                          max_stages=session.problem.num_stages, profile_repeats=0,
-                          solver_options=session.options_for(method), allocator_margin=session.allocator_margin,
-                          posed=session.posed, granularity=session.granularity, compile={}).plan
+    return Session(model, captured, posed, eager, margin, options)
 
 
 def _infeasible(budget: Budget, budget_bytes: int, minimum: int | None, why: str) -> InfeasibleBudgetError:
@@ -298,7 +308,7 @@ def run_plan(args: argparse.Namespace, progress: Progress) -> int:
     if args.compile:
         with progress.step(f"solving for {format_bytes(session.usable(budget_bytes))} with {args.solver} under "
                            f"torch.compile, measuring each compiled plan"), quiet_torch():
-            plan = solve_compiled(session, budget, args.solver)
+            plan = session.solve_compiled(budget, args.solver)
         progress.note(f"compiled step measured {format_bytes(plan.compiled_peak_bytes)}")
         return _print_plan(plan, args, progress)
     with progress.step(f"solving for {format_bytes(session.usable(budget_bytes))} with {args.solver}"):
