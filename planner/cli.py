@@ -4,6 +4,7 @@
 
     planner plan model.py:build --budget 8GB -o plan.json     # or package.module:build; --json prints the plan
     planner plan model.py:build --budget 8GB --compile        # the budget holds for the torch.compile'd step
+    planner plan model.py:build --budget 8GB --compile-mode max-autotune    # compiled with that mode
     planner explain plan.json
     planner sweep model.py:build --budgets 30%,50%,70%,100% --csv sweep.csv --png sweep.png
 
@@ -246,13 +247,34 @@ class Session:
                                    allocator_margin=self.allocator_margin,
                                    extra=plan.extra + self.granularity.plan_extra)
 
-    def solve_compiled(self, budget: Budget, method: str) -> Plan:
-        """Plan under ``budget`` for the compiled step, as ``planner.optimize(..., compile=True)`` does: each plan
-        is compiled with ``torch.compile``'s defaults and one step measured (:mod:`planner.compiled`)."""
+    def solve_compiled(self, budget: Budget, method: str, compile_options: dict) -> Plan:
+        """Plan under ``budget`` for the compiled step, as ``planner.optimize(..., compile=compile_options)``
+        does: each plan is compiled with ``torch.compile(**compile_options)`` and one step measured
+        (:mod:`planner.compiled`)."""
         return _plan_captured(self.model, self.captured, budget, loss_fn=None, optimizer=None, solver=method,
                               max_stages=self.problem.num_stages, profile_repeats=0,
                               solver_options=self.options_for(method), allocator_margin=self.allocator_margin,
-                              posed=self.posed, granularity=self.granularity, compile={}).plan
+                              posed=self.posed, granularity=self.granularity, compile=compile_options).plan
+
+
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+
+
+def compile_arguments(args: argparse.Namespace) -> dict | None:
+    """``torch.compile``'s keyword arguments that ``--compile`` and ``--compile-mode`` ask to plan under, or None
+    for the eager step.
+
+    >>> compile_arguments(argparse.Namespace(compile=True, compile_mode=None))
+    {}
+    >>> compile_arguments(argparse.Namespace(compile=False, compile_mode="max-autotune"))
+    {'mode': 'max-autotune'}
+    >>> compile_arguments(argparse.Namespace()) is None  # a command without the options
+    True
+    """
+    mode = getattr(args, "compile_mode", None)
+    if mode is not None:
+        return {"mode": mode}
+    return {} if getattr(args, "compile", False) else None
 
 
 def open_session(args: argparse.Namespace, progress: Progress) -> Session:
@@ -264,7 +286,7 @@ def open_session(args: argparse.Namespace, progress: Progress) -> Session:
     timed = f"analytic times for {args.device}" if args.device else f"{args.profile_repeats} timed run(s)"
     with progress.step(f"profiling ({timed})"), quiet_torch():
         posed = pose(captured, max_stages=args.max_stages, profile_repeats=args.profile_repeats, device=args.device,
-                     granularity=args.granularity)
+                     granularity=args.granularity, compiled=compile_arguments(args) is not None)
     problem = posed.problem
     eager = simulate(problem, Schedule.store_all(problem.num_stages)).peak_bytes
     margin = allocator_margin_for(args.allocator_margin, device_spec(args.device) if args.device else None,
@@ -299,16 +321,17 @@ def run_plan(args: argparse.Namespace, progress: Progress) -> int:
                            hint="e.g. --budget 8GB, --budget 60%, or --device h100")
     if args.budget is not None:
         parse_budget(args.budget)  # a malformed budget fails before the model is built
-    if args.compile:
-        _compile_options(True, args.device)  # not with --device: nothing runs there to measure
+    compile_options = compile_arguments(args)
+    if compile_options is not None:
+        _compile_options(compile_options, args.device)  # not with --device: nothing runs there to measure
     session = open_session(args, progress)
     budget = device_budget(args.budget, device_spec(args.device) if args.device else None,
                            captured_device_type(session.captured))
     budget_bytes = budget.resolve(session.eager_peak_bytes)
-    if args.compile:
+    if compile_options is not None:
         with progress.step(f"solving for {format_bytes(session.usable(budget_bytes))} with {args.solver} under "
                            f"torch.compile, measuring each compiled plan"), quiet_torch():
-            plan = session.solve_compiled(budget, args.solver)
+            plan = session.solve_compiled(budget, args.solver, compile_options)
         progress.note(f"compiled step measured {format_bytes(plan.compiled_peak_bytes)}")
         return _print_plan(plan, args, progress)
     with progress.step(f"solving for {format_bytes(session.usable(budget_bytes))} with {args.solver}"):
@@ -522,6 +545,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--solver", default="auto", choices=solvers.METHODS)
     plan.add_argument("--compile", action="store_true",
                       help="fit the budget for the step under torch.compile: each plan is compiled and measured")
+    plan.add_argument("--compile-mode", choices=COMPILE_MODES, default=None,
+                      help="torch.compile's mode for --compile (implies it)")
     plan.set_defaults(run=run_plan)
     show = commands.add_parser("explain", parents=[_common(False)], help="what a plan keeps and recomputes")
     show.add_argument("plan", metavar="PLAN.json")

@@ -292,11 +292,13 @@ class Plan:
             f"  eager peak      {format_bytes(self.eager_peak_bytes)}",
             f"  predicted peak  {format_bytes(self.predicted_peak_bytes)}"
             f" ({self.predicted_peak_bytes / max(self.eager_peak_bytes, 1):.0%} of eager)",
-            *([f"  compiled peak   {format_bytes(self.compiled_peak_bytes)} (measured under torch.compile, "
-               f"{dict(self.extra).get('compiled_plans_measured')} plan(s) compiled)"]
+            *([f"  compiled peak   {format_bytes(self.compiled_peak_bytes)} (measured under torch.compile("
+               f"{dict(self.extra).get('compiled_with', '')}), {dict(self.extra).get('compiled_plans_measured')} "
+               f"plan(s) compiled)"]
               if self.compiled_peak_bytes is not None else []),
             f"  overhead        +{self.predicted_overhead:.1%} step time (predicted"
-            + (f", times {self.timing}" if self.timing else "") + ")",
+            + (f", times {self.timing}" if self.timing else "")
+            + (", the recomputed ops at their eager times" if self.compiled_peak_bytes is not None else "") + ")",
             f"  stages          {len(self.stage_names)}, recomputed {len(self.recomputed_stage_names)}"
             f" in {len(self.regions)} region(s)",
         ]

@@ -223,6 +223,31 @@ def test_a_calibration_that_cannot_tell_recomputation_from_free_is_ignored(monke
     assert all(s.recompute_options[0].recompute_seconds == s.forward_seconds > 0 for s in problem.stages)
 
 
+def test_a_problem_posed_for_compiled_steps_times_no_checkpoint_machinery(monkeypatch):
+    """Under ``torch.compile`` regions are traced into the graph: no hooks or cache modes run, so nothing of eager
+    checkpointing is timed or charged, each option costs its nodes' own time, and the two poses are remembered
+    apart."""
+    import planner.api as api
+    from planner.capture import capture
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh()) for _ in range(3)])
+    captured = capture(model, (torch.randn(8, 16),))
+    timed = []
+    scripted = _scripted_timings(lambda name: Estimate(0.5, 0.01))
+    monkeypatch.setattr(api, "paired_step_seconds", lambda steps, *a, **k: timed.append(steps) or scripted(
+        steps, *a, **k))
+    api.forget_poses()
+    compiled = api.remembered_pose(captured, profile_repeats=1, compiled=True)
+    assert compiled.compiled and not timed
+    problem = compiled.problem
+    assert problem.region_seconds == problem.per_step_seconds == problem.caching_region_seconds == 0
+    assert all(s.recompute_options[0].recompute_seconds == s.forward_seconds > 0 for s in problem.stages)
+    eager = api.remembered_pose(captured, profile_repeats=1)
+    assert timed and not eager.compiled and eager.problem.per_step_seconds + eager.problem.region_seconds > 0
+    assert api.remembered_pose(captured, profile_repeats=1, compiled=True) is compiled
+
+
 def test_calibration_times_a_few_rounds_however_long_a_step(monkeypatch):
     """Out of time after its first rounds, a calibration still times CALIBRATION_MIN_ROUNDS of each group: three
     rounds of demo-size GPT-2 (2.3 s steps, 30 s) timed checkpointing at 32% +/- 21% of the step, and were dropped."""

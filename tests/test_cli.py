@@ -77,7 +77,7 @@ IN_PROCESS = {  # the same checks through cli.main, without a torch import each
     "unknown_device": ["plan", "factory.py:build", "--device", "v100", "-q"],
     "layer": ["plan", "factory.py:build", "--budget", "50%", "--granularity", "layer", "--json", "-q", *QUICK],
     "compiled": ["plan", "factory.py:build", "--budget", "60%", "--compile", "--json", "-q", *QUICK],
-    "compile_for_device": ["plan", "factory.py:build", "--device", "h100", "--compile", "-q"],
+    "compile_for_device": ["plan", "factory.py:build", "--device", "h100", "--compile-mode", "max-autotune", "-q"],
 }
 
 
@@ -315,7 +315,7 @@ def test_compile_plans_for_the_compiled_step_and_records_its_measured_peak(runs)
     assert run.code == 0, run.stderr
     plan = Plan.from_dict(json.loads(run.stdout))
     assert plan.compiled_peak_bytes is not None and plan.compiled_peak_bytes <= plan.budget_bytes
-    assert dict(plan.extra)["compiled_plans_measured"] >= 1
+    assert dict(plan.extra)["compiled_plans_measured"] >= 1 and dict(plan.extra)["compiled_with"] == ""
 
 
 def test_compile_with_a_device_to_plan_for_is_a_usage_error(runs):

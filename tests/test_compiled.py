@@ -130,12 +130,16 @@ def test_optimize_with_compile_measures_the_compiled_step_within_budget_and_trai
     extra = dict(opt.plan.extra)
     assert extra["compiled_peak_bytes"] <= opt.plan.budget_bytes and extra["compiled_plans_measured"] >= 1
     assert opt.plan.regions, "60% of the eager peak needs recomputation"
+    problem = opt.planned.problem  # priced for compiled steps: no eager checkpoint machinery
+    assert problem.region_seconds == problem.per_step_seconds == problem.caching_region_seconds == 0
     fixed = storage_bytes(list(model.parameters()) + [X])
     measured = fixed + allocator_peak_bytes(_compiled_step(opt, model))
     assert measured == extra["compiled_peak_bytes"], "the module returned is the one the search measured"
     loaded = planner.Plan.from_json(opt.plan.to_json())
     assert loaded.compiled_peak_bytes == extra["compiled_peak_bytes"]
     assert "compiled peak" in loaded.summary() and "compiled, its step measured" in planner.explain(loaded)
+    assert "the recomputed ops at their eager times" in loaded.summary()
+    assert "measured under torch.compile(), " in loaded.summary()  # compile=True: torch.compile's defaults
 
     results = {}
     for name, module in [("eager", torch.compile(model)), ("planned", opt)]:
