@@ -245,11 +245,12 @@ class Posed:
         return block_checkpoints(self.block_ranges or tuple((k, k + 1) for k in range(self.problem.num_stages)))
 
 
-def pose(example: Example, profile_repeats: int, granularity: str = "block") -> Posed:
+def pose(example: Example, profile_repeats: int, granularity: str = "block", compiled: bool = False) -> Posed:
+    """Capture and profile ``example`` as the planner does, for eager steps or (``compiled``) compiled ones."""
     start = time.perf_counter()
     captured = capture(example.model, example.example_inputs, example.example_kwargs)
     posed = pose_captured(captured, loss_fn=example.loss_fn, hold_outputs=False, profile_repeats=profile_repeats,
-                          granularity=granularity)
+                          granularity=granularity, compiled=compiled)
     return Posed(example, captured, posed.problem, posed.stage_nodes, time.perf_counter() - start,
                  posed.block_ranges)
 
@@ -360,6 +361,7 @@ def candidates(example: Example, methods: Sequence[str], budgets: Sequence[float
     posed = pose(example, profile_repeats, granularity) if {"planner", "chen_sqrt"} & set(methods) else None
     if posed is not None and posed.block_ranges is None:  # finer stages that do not nest in the blocks
         log(f"  {granularity} stages do not nest in the blocks: planning over whole blocks")
+        granularity = "block"
         posed = pose(example, profile_repeats)
     if "uniform" in methods:
         found.append(uniform(example))
@@ -374,8 +376,12 @@ def candidates(example: Example, methods: Sequence[str], budgets: Sequence[float
         log("  planning")
         planned = functools.partial(planner_at, posed, solve_seconds=solve_seconds)
         found += [planned(int(share * eager_peak), f"{share:.0%} of eager") for share in budgets]
-        found += [planned(c.peak_bytes, c.label, compile_it=c.compiled)
-                  for c in list(found) if c.method != "planner" and c.method != "eager" and c.peak_bytes]
+        others = [c for c in found if c.method != "planner" and c.method != "eager" and c.peak_bytes]
+        found += [planned(c.peak_bytes, c.label) for c in others if not c.compiled]
+        if any(c.compiled for c in others):  # compiled plans are priced without eager checkpointing's machinery
+            compiled_posed = pose(example, profile_repeats, granularity, compiled=True)
+            found += [planner_at(compiled_posed, c.peak_bytes, c.label, compile_it=True, solve_seconds=solve_seconds)
+                      for c in others if c.compiled]
     return found
 
 

@@ -49,6 +49,23 @@ def test_meta_7b_benchmark_runs_at_a_small_shape():
     assert {"capture", "profile", "solve 80GB", "solve 40%"} <= set(result["seconds"])
 
 
+def test_compiled_fit_measures_both_ways_of_compiling_a_plan_on_a_tiny_chain(fallback_random):
+    """benchmarks.compiled_fit on a tiny LargeBlock chain, one round: the plan fitted under compile fits its budget
+    by the allocator's count, as its plan recorded, and the table says so."""
+    from benchmarks import compiled_fit
+    from examples.common import Example, generator, seeded
+    from examples.largeblock import CheckpointedModel, loss_fn
+
+    with seeded(0):
+        model = CheckpointedModel(32, 4).train()
+    x = torch.randn(512, 32, generator=generator(1)).requires_grad_(True)
+    row = compiled_fit.measure(Example("tiny", model, (x,), {}, loss_fn, "blocks"), 0.6, rounds=1, profile_repeats=1)
+    assert row.fitted_peak_bytes <= row.budget_bytes and row.compiled_model_peak_bytes > 0 and row.plans_compiled >= 1
+    assert row.fitted_ratio > 0 and row.wrapped_ratio > 0
+    lines = compiled_fit.table([row]).splitlines()
+    assert len(lines) == 3 and lines[2].startswith("| tiny, 60% = ") and "fits, " in lines[2].split("|")[4]
+
+
 def test_run_side_by_side_table_on_a_tiny_chain():
     """benchmarks.run on a tiny LargeBlock chain, two methods and one round: the table's structure, the pairing at
     equal memory, and the planner's measured peak within its budget."""
