@@ -49,17 +49,22 @@ def test_meta_7b_benchmark_runs_at_a_small_shape():
     assert {"capture", "profile", "solve 80GB", "solve 40%"} <= set(result["seconds"])
 
 
-def test_compiled_fit_measures_both_ways_of_compiling_a_plan_on_a_tiny_chain(fallback_random):
-    """benchmarks.compiled_fit on a tiny LargeBlock chain, one round: the plan fitted under compile fits its budget
-    by the allocator's count, as its plan recorded, and the table says so."""
-    from benchmarks import compiled_fit
+def _tiny_chain():
+    """A tiny LargeBlock chain (4 blocks of width 32, a batch of 512) as an example the benchmarks take."""
     from examples.common import Example, generator, seeded
     from examples.largeblock import CheckpointedModel, loss_fn
 
     with seeded(0):
         model = CheckpointedModel(32, 4).train()
     x = torch.randn(512, 32, generator=generator(1)).requires_grad_(True)
-    row = compiled_fit.measure(Example("tiny", model, (x,), {}, loss_fn, "blocks"), 0.6, rounds=1, profile_repeats=1)
+    return Example("tiny", model, (x,), {}, loss_fn, "blocks")
+
+
+def test_compiled_fit_measures_both_ways_of_compiling_a_plan_on_a_tiny_chain(fallback_random):
+    """benchmarks.compiled_fit on a tiny LargeBlock chain, one round: the plan fitted under compile fits its budget
+    by the allocator's count, as its plan recorded, and the table says so."""
+    from benchmarks import compiled_fit
+    row = compiled_fit.measure(_tiny_chain(), 0.6, rounds=1, profile_repeats=1)
     assert row.fitted_peak_bytes <= row.budget_bytes and row.compiled_model_peak_bytes > 0 and row.plans_compiled >= 1
     assert row.fitted_ratio > 0 and row.wrapped_ratio > 0
     lines = compiled_fit.table([row]).splitlines()
@@ -70,13 +75,7 @@ def test_run_side_by_side_table_on_a_tiny_chain():
     """benchmarks.run on a tiny LargeBlock chain, two methods and one round: the table's structure, the pairing at
     equal memory, and the planner's measured peak within its budget."""
     from benchmarks import run
-    from examples.common import Example, generator, seeded
-    from examples.largeblock import CheckpointedModel, loss_fn
-
-    with seeded(0):
-        model = CheckpointedModel(32, 4).train()
-    x = torch.randn(512, 32, generator=generator(1)).requires_grad_(True)
-    example = Example("tiny", model, (x,), {}, loss_fn, "blocks")
+    example = _tiny_chain()
     rows = run.benchmark_example(example, methods=("uniform", "planner"), repeats=1, budgets=(0.5,), ratios=(),
                                  profile_repeats=1)
     assert [r.method for r in rows] == ["eager", "uniform", "planner", "planner"]
@@ -192,13 +191,7 @@ def _replanned(monkeypatch, peak_shares):
     plan measured, the least peak and the budget: the row, the budgets solved for, the predicted peaks of the plans
     solved (None where infeasible), the budget and the least peak any plan needs."""
     from benchmarks import run
-    from examples.common import Example, generator, seeded
-    from examples.largeblock import CheckpointedModel, loss_fn
-
-    with seeded(0):
-        model = CheckpointedModel(32, 4).train()
-    x = torch.randn(512, 32, generator=generator(1)).requires_grad_(True)
-    posed = run.pose(Example("tiny", model, (x,), {}, loss_fn, "blocks"), profile_repeats=0)
+    posed = run.pose(_tiny_chain(), profile_repeats=0)
     least = solvers.minimum_peak(posed.problem)
     budget = int(least * 1.5)
     solved, predicted, real_solve = [], [], run.solvers.solve
