@@ -20,6 +20,7 @@ import contextlib
 import functools
 import inspect
 import operator
+import warnings
 from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
@@ -303,6 +304,104 @@ def _cache_dropped(model: torch.nn.Module, kwargs: dict) -> Iterator[None]:
             model.forward = own
 
 
+# Code whose hooks and autograd.Functions the captured graph stands for: torch's, and the planner's own
+_OWN_CODE = ("torch.", "planner.rewrite", "planner.parts", "planner.profile", "planner.dropout")
+_FORWARD_HOOKS, _BACKWARD_HOOKS = ("_forward_pre_hooks", "_forward_hooks"), ("_backward_pre_hooks", "_backward_hooks")
+_TRACED_HOOKS = frozenset({"make_inputs_require_grads"})  # Hugging Face's (PEFT's): its one effect is in the graph
+
+
+class ForwardHookWarning(UserWarning):
+    """The model has forward hooks: torch.export traces their tensor ops into the graph, but their other effects
+    (recording outputs, logging) ran once, at capture, and do not run in the planned module."""
+
+
+def _foreign(code: Any) -> bool:
+    """Whether ``code`` (a hook, an autograd.Function class) is the user's rather than torch's or the planner's."""
+    code = getattr(code, "func", code)  # a functools.partial: the function it binds
+    defined_in = getattr(code, "__module__", None) or type(code).__module__ or ""
+    return not defined_in.startswith(_OWN_CODE) and getattr(code, "__name__", None) not in _TRACED_HOOKS
+
+
+def hooked_modules(model: torch.nn.Module, kinds: Sequence[str] = _BACKWARD_HOOKS) -> list[str]:
+    """Paths of the modules of ``model`` ("" for itself; "*" for all, a global hook) with hooks of the user's of
+    ``kinds`` (backward hooks unless told otherwise). A planned module runs the captured graph instead of the
+    modules: torch.export drops backward hooks, and traces a forward hook's tensor ops once, with fake tensors.
+    Torch's own hooks (weight and spectral normalisation, quantization observers, FSDP's) are left out.
+
+    >>> model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU())
+    >>> handle = model[1].register_full_backward_hook(lambda module, grad_input, grad_output: None)
+    >>> hooked_modules(model), hooked_modules(model, _FORWARD_HOOKS)
+    (['1'], [])
+    >>> hooked_modules(torch.nn.utils.weight_norm(torch.nn.Linear(2, 2)), _FORWARD_HOOKS)
+    []
+    """
+    import torch.nn.modules.module as module_globals
+    if any(_foreign(hook) for kind in kinds for hook in getattr(module_globals, f"_global{kind}").values()):
+        return ["*"]
+    return [path for path, module in model.named_modules()
+            if any(_foreign(hook) for kind in kinds for hook in getattr(module, kind).values())]
+
+
+def _described(paths: list[str]) -> str:
+    if paths == ["*"]:
+        return "every module (a global hook)"
+    return ", ".join(repr(p) for p in paths[:4]) + (f" and {len(paths) - 4} more" if len(paths) > 4 else "")
+
+
+def _check_hooks(model: torch.nn.Module) -> None:
+    """Raise when ``model`` has backward hooks of the user's, warn when it has forward hooks."""
+    backward = hooked_modules(model)
+    if backward:
+        raise PlannerError(f"{type(model).__name__} has backward hooks on {_described(backward)}: the planned "
+                           "module runs the captured graph, not the modules, so they would not run",
+                           hint="planner.optimize plans the submodules without them and runs the hooked ones "
+                                "eagerly, hooks included; or remove the hooks while planning")
+    forward = hooked_modules(model, _FORWARD_HOOKS)
+    if forward:
+        warnings.warn(ForwardHookWarning(
+            f"{type(model).__name__} has forward hooks on {_described(forward)}: the planned module computes "
+            "what they do to tensors, but anything else they do (recording outputs, logging) ran once while "
+            "capturing and will not run again; remove them before planning if it matters"), stacklevel=4)
+
+
+@contextlib.contextmanager
+def _gradient_code_recorded() -> Iterator[list[str]]:
+    """While the model is exported: what its forward runs that defines gradients the exported graph would not,
+    described (the user's autograd.Functions, whose forward export traces and whose backward it drops, and gradient
+    hooks registered on tensors, which it drops)."""
+    found: list[str] = []
+    apply, register_hook = inspect.getattr_static(torch.autograd.Function, "apply"), torch.Tensor.register_hook
+
+    def recording_apply(cls, *args, **kwargs):
+        if _foreign(cls):
+            found.append(f"the custom autograd.Function {cls.__qualname__}")
+        return apply.__func__(cls, *args, **kwargs)
+
+    def recording_register_hook(tensor, hook):
+        if _foreign(hook):
+            found.append("a gradient hook registered with Tensor.register_hook")
+        return register_hook(tensor, hook)
+
+    torch.autograd.Function.apply, torch.Tensor.register_hook = classmethod(recording_apply), recording_register_hook
+    try:
+        yield found
+    finally:
+        torch.autograd.Function.apply, torch.Tensor.register_hook = apply, register_hook
+
+
+def _check_gradients_kept(model: torch.nn.Module, found: list[str]) -> None:
+    """Raise when the model's forward ran code (see :func:`_gradient_code_recorded`) whose gradients the captured
+    graph would not reproduce."""
+    if not found:
+        return
+    raise PlannerError(
+        f"{type(model).__name__}'s forward runs {' and '.join(dict.fromkeys(found))}, whose gradients torch.export "
+        f"drops (it keeps only the forward's ops), so its captured graph would train differently",
+        hint="planner.optimize plans the submodules that run none and runs the rest eagerly; to plan the whole "
+             "model, write a custom function as torch.library.custom_op with register_autograd, and register "
+             "gradient hooks on parameters (once, outside forward)")
+
+
 def capture(model: torch.nn.Module, example_args: tuple, example_kwargs: dict | None = None, *,
             replay_dropout: bool = True) -> CapturedGraph:
     """Export ``model`` for training and return its unlifted graph module.
@@ -316,7 +415,10 @@ def capture(model: torch.nn.Module, example_args: tuple, example_kwargs: dict | 
     ``is_causal`` or no mask, and repeated key/value heads as ``enable_gqa``, as the model runs them
     (:func:`planner.attention.restore_attention`).
 
-    Raises :class:`PlannerError` naming the cause when the model does not capture or the inputs do not fit it.
+    Raises :class:`PlannerError` naming the cause when the model does not capture or the inputs do not fit it, and
+    when the graph would not train as the model does: the model has backward hooks (:func:`hooked_modules`), or its
+    forward runs autograd.Functions or tensor hooks of the user's, whose backward torch.export drops. Forward hooks
+    are traced; a :class:`ForwardHookWarning` says that their other effects will not run.
     """
     if not isinstance(model, torch.nn.Module):
         raise PlannerError(f"expected an nn.Module to plan, got {type(model).__name__}",
@@ -326,9 +428,10 @@ def capture(model: torch.nn.Module, example_args: tuple, example_kwargs: dict | 
     if not any(isinstance(x, torch.Tensor) for x in tree_flatten((args, kwargs))[0]):
         raise PlannerError("example inputs contain no tensor",
                            hint="pass the inputs of one training step, e.g. example_inputs=(batch,)")
+    _check_hooks(model)
     was_training = model.training
     try:
-        with _cache_dropped(model, kwargs):
+        with _cache_dropped(model, kwargs), _gradient_code_recorded() as gradient_code:
             exported = torch.export.export(model, args, kwargs, strict=False)
     except Exception as exc:  # export raises many types; all mean the same to the user
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
@@ -339,6 +442,7 @@ def capture(model: torch.nn.Module, example_args: tuple, example_kwargs: dict | 
         ) from exc
     finally:
         model.train(was_training)
+    _check_gradients_kept(model, gradient_code)
     graph_module, autocast = exported.module(), autocast_state()
     restore_attention(graph_module)  # is_causal and enable_gqa where the model passes them, not a mask and copies
     if replay_dropout and not autocast:  # under autocast the attention's math path casts its inputs: one op

@@ -1,7 +1,10 @@
+import warnings
+
 import pytest
 import torch
 
-from planner.capture import capture, flat_call_args, input_signature, module_path, placed_stage_nodes
+from planner.capture import (ForwardHookWarning, capture, flat_call_args, hooked_modules, input_signature, module_path,
+                            placed_stage_nodes)
 from planner.errors import PlannerError
 
 
@@ -62,6 +65,89 @@ def test_errors_name_the_cause_and_a_fix():
     assert "Hint:" in str(info.value)
     with pytest.raises(PlannerError, match="could not capture"):
         capture(torch.nn.Linear(2, 2), (torch.randn(3, 5),))  # wrong input width
+
+
+class StraightThrough(torch.autograd.Function):
+    """Rounds in the forward, passes the gradient through unchanged: a backward no trace of the forward gives."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return torch.round(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+class Rounded(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return StraightThrough.apply(self.lin(x))
+
+
+class HookedInForward(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        y = self.lin(x)
+        y.register_hook(lambda grad: grad * 2)
+        return y
+
+
+def test_a_graph_that_would_not_train_as_the_model_does_is_refused():
+    x = torch.randn(2, 4)
+    with pytest.raises(PlannerError, match="custom autograd.Function StraightThrough") as info:
+        capture(Rounded(), (x,))
+    assert "torch.library.custom_op" in str(info.value)
+    with pytest.raises(PlannerError, match="Tensor.register_hook"):
+        capture(HookedInForward(), (x,))
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
+    handle = model[0].register_full_backward_hook(lambda module, grad_input, grad_output: None)
+    with pytest.raises(PlannerError, match="backward hooks on '0'.*would not run"):
+        capture(model, (x,))
+    handle.remove()
+    capture(model, (x,))  # without the hook it captures
+    global_handle = torch.nn.modules.module.register_module_full_backward_hook(lambda module, gi, go: None)
+    try:
+        with pytest.raises(PlannerError, match="every module"):
+            capture(model, (x,))
+    finally:
+        global_handle.remove()
+
+
+def test_forward_hooks_are_traced_and_their_other_effects_named():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
+    seen = []
+    model[0].register_forward_hook(lambda module, args, out: seen.append(out.shape) or out + 1)
+    x = torch.randn(2, 4)
+    with pytest.warns(ForwardHookWarning, match="forward hooks on '0'.*will not run again"):
+        captured = capture(model, (x,))
+    seen.clear()
+    assert torch.equal(captured.graph_module(x), model(x)) and len(seen) == 1  # the + 1 is in the graph
+
+    def make_inputs_require_grads(module, args, out):  # Hugging Face's enable_input_require_grads (PEFT)
+        out.requires_grad_(True)
+
+    plain = torch.nn.Sequential(torch.nn.Embedding(8, 4), torch.nn.Linear(4, 4))
+    plain[0].register_forward_hook(make_inputs_require_grads)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ForwardHookWarning)
+        capture(plain, (torch.tensor([[1, 2]]),))
+
+
+def test_hooks_of_torchs_own_are_what_the_graph_computes():
+    weight_normed = torch.nn.Sequential(torch.nn.utils.weight_norm(torch.nn.Linear(4, 4)), torch.nn.Tanh())
+    assert hooked_modules(weight_normed) == []
+    x = torch.randn(2, 4)
+    assert torch.equal(capture(weight_normed, (x,)).graph_module(x), weight_normed(x))
+    assert torch.autograd.Function.apply.__func__ is not None  # the recording wrapper is gone again
+    assert "recording" not in torch.autograd.Function.apply.__func__.__qualname__
+    assert "recording" not in torch.Tensor.register_hook.__qualname__
 
 
 def test_input_signature_tells_shapes_and_values_apart():

@@ -185,6 +185,100 @@ def test_a_model_that_exports_only_in_parts_is_planned_in_parts():
         torch.testing.assert_close(opt(X), model(X))
 
 
+class _RoundedThrough(torch.autograd.Function):
+    """Rounds to quarters in the forward; the straight-through backward passes the gradient unchanged."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return torch.round(x * 4) / 4
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+def _stack() -> torch.nn.Module:
+    return torch.nn.Sequential(*[block() for _ in range(3)])
+
+
+class QuantisedResiduals(torch.nn.Module):
+    """Each stack's output quantised with a straight-through estimator (a custom autograd.Function)."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(_stack() for _ in range(3))
+
+    def forward(self, x):
+        for layer in self.blocks:
+            x = x + _RoundedThrough.apply(layer(x))
+        return x
+
+
+class HalvedGradient(torch.nn.Module):
+    """Stack 1's output gets a gradient hook, registered in forward, that halves its gradient."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(_stack() for _ in range(3))
+
+    def forward(self, x):
+        for i, layer in enumerate(self.blocks):
+            y = layer(x)
+            if i == 1 and y.requires_grad:
+                y.register_hook(lambda grad: grad / 2)
+            x = x + y
+        return x
+
+
+class Observed(torch.nn.Module):
+    """Residual stacks; stack 1 records its outputs with a forward hook, and its backward hook scales the gradient
+    flowing into it (added by :func:`_hooked`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(_stack() for _ in range(3))
+
+    def forward(self, x):
+        for layer in self.blocks:
+            x = x + layer(x)
+        return x
+
+
+def _hooked(model: Observed) -> tuple[Observed, list]:
+    seen = []
+    model.blocks[1].register_forward_hook(lambda module, args, out: seen.append(out.shape))
+    model.blocks[1].register_full_backward_hook(lambda module, grad_in, grad_out: (grad_in[0] * 3,))
+    return model, seen
+
+
+@pytest.mark.parametrize("factory, reason", [
+    (QuantisedResiduals, "custom autograd.Function _RoundedThrough"),
+    (HalvedGradient, "Tensor.register_hook"),
+    (lambda: _hooked(Observed())[0], "hooks on 'blocks.1'"),
+], ids=["autograd_function", "tensor_hook", "module_hooks"])
+def test_gradients_the_graph_would_drop_are_kept_by_running_that_code_eagerly(factory, reason):
+    torch.manual_seed(0)
+    model = factory()
+    run = lambda m: _square_mean(m(X))  # noqa: E731
+    eager = training_step(model, run, (X,))
+    with pytest.warns(PartialCaptureWarning, match=reason):
+        opt = planner.optimize(model, "75%", example_inputs=(X,), loss_fn=_square_mean, profile_repeats=1)
+    assert any(part.plan.regions for part in opt.parts.values())
+    planned = training_step(opt, run, (X,), owner=model)
+    assert planned.peak_bytes <= int(0.75 * eager.peak_bytes), (planned.peak_bytes, eager.peak_bytes)
+    assert_same_training(eager, planned, atol=0)
+
+
+def test_hooked_modules_run_their_hooks_once_a_step_in_the_planned_model():
+    torch.manual_seed(0)
+    model, seen = _hooked(Observed())
+    with pytest.warns(PartialCaptureWarning):
+        opt = planner.optimize(model, "75%", example_inputs=(X,), loss_fn=_square_mean, profile_repeats=1)
+    seen.clear()
+    _square_mean(opt(X)).backward()
+    assert seen == [torch.Size([256, WIDTH])]
+
+
 def test_inputs_that_fit_no_part_still_raise_the_capture_error():
     with pytest.raises(planner.PlannerError, match="could not capture"):
         planner.optimize(DataDependent(), "70%", example_inputs=(torch.randn(4, 7),), profile_repeats=1)
