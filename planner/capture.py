@@ -30,6 +30,7 @@ from torch.utils._pytree import tree_flatten
 
 from .dropout import replayable_dropout
 from .errors import PlannerError
+from .functions import functions_kept_whole, is_own_code
 from .attention import restore_attention
 
 
@@ -304,8 +305,6 @@ def _cache_dropped(model: torch.nn.Module, kwargs: dict) -> Iterator[None]:
             model.forward = own
 
 
-# Code whose hooks and autograd.Functions the captured graph stands for: torch's, and the planner's own
-_OWN_CODE = ("torch.", "planner.rewrite", "planner.parts", "planner.profile", "planner.dropout")
 _FORWARD_HOOKS, _BACKWARD_HOOKS = ("_forward_pre_hooks", "_forward_hooks"), ("_backward_pre_hooks", "_backward_hooks")
 _TRACED_HOOKS = frozenset({"make_inputs_require_grads"})  # Hugging Face's (PEFT's): its one effect is in the graph
 
@@ -315,11 +314,9 @@ class ForwardHookWarning(UserWarning):
     (recording outputs, logging) ran once, at capture, and do not run in the planned module."""
 
 
-def _foreign(code: Any) -> bool:
-    """Whether ``code`` (a hook, an autograd.Function class) is the user's rather than torch's or the planner's."""
-    code = getattr(code, "func", code)  # a functools.partial: the function it binds
-    defined_in = getattr(code, "__module__", None) or type(code).__module__ or ""
-    return not defined_in.startswith(_OWN_CODE) and getattr(code, "__name__", None) not in _TRACED_HOOKS
+def _foreign(hook: Any) -> bool:
+    """Whether ``hook`` is the user's: not torch's, the planner's, or one whose only effect the graph holds."""
+    return not is_own_code(hook) and getattr(getattr(hook, "func", hook), "__name__", None) not in _TRACED_HOOKS
 
 
 def hooked_modules(model: torch.nn.Module, kinds: Sequence[str] = _BACKWARD_HOOKS) -> list[str]:
@@ -365,41 +362,34 @@ def _check_hooks(model: torch.nn.Module) -> None:
 
 
 @contextlib.contextmanager
-def _gradient_code_recorded() -> Iterator[list[str]]:
-    """While the model is exported: what its forward runs that defines gradients the exported graph would not,
-    described (the user's autograd.Functions, whose forward export traces and whose backward it drops, and gradient
-    hooks registered on tensors, which it drops)."""
+def _tensor_hooks_recorded() -> Iterator[list[str]]:
+    """While the model is exported: the gradient hooks its forward registers on tensors, which the exported graph
+    would drop, described."""
     found: list[str] = []
-    apply, register_hook = inspect.getattr_static(torch.autograd.Function, "apply"), torch.Tensor.register_hook
-
-    def recording_apply(cls, *args, **kwargs):
-        if _foreign(cls):
-            found.append(f"the custom autograd.Function {cls.__qualname__}")
-        return apply.__func__(cls, *args, **kwargs)
+    register_hook = torch.Tensor.register_hook
 
     def recording_register_hook(tensor, hook):
-        if _foreign(hook):
-            found.append("a gradient hook registered with Tensor.register_hook")
+        if not is_own_code(hook):
+            found.append("registers a gradient hook with Tensor.register_hook")
         return register_hook(tensor, hook)
 
-    torch.autograd.Function.apply, torch.Tensor.register_hook = classmethod(recording_apply), recording_register_hook
+    torch.Tensor.register_hook = recording_register_hook
     try:
         yield found
     finally:
-        torch.autograd.Function.apply, torch.Tensor.register_hook = apply, register_hook
+        torch.Tensor.register_hook = register_hook
 
 
 def _check_gradients_kept(model: torch.nn.Module, found: list[str]) -> None:
-    """Raise when the model's forward ran code (see :func:`_gradient_code_recorded`) whose gradients the captured
-    graph would not reproduce."""
+    """Raise when the model's forward registered tensor hooks (:func:`_tensor_hooks_recorded`)."""
     if not found:
         return
     raise PlannerError(
-        f"{type(model).__name__}'s forward runs {' and '.join(dict.fromkeys(found))}, whose gradients torch.export "
-        f"drops (it keeps only the forward's ops), so its captured graph would train differently",
-        hint="planner.optimize plans the submodules that run none and runs the rest eagerly; to plan the whole "
-             "model, write a custom function as torch.library.custom_op with register_autograd, and register "
-             "gradient hooks on parameters (once, outside forward)")
+        f"{type(model).__name__}'s forward {found[0]}, which torch.export drops (it keeps only the forward's ops), "
+        "so its captured graph would train differently",
+        hint="planner.optimize plans the submodules that register none and runs the rest eagerly; to plan the "
+             "whole model, register gradient hooks on parameters (once, outside forward) or write the hooked step as "
+             "a custom autograd.Function")
 
 
 def capture(model: torch.nn.Module, example_args: tuple, example_kwargs: dict | None = None, *,
@@ -417,8 +407,9 @@ def capture(model: torch.nn.Module, example_args: tuple, example_kwargs: dict | 
 
     Raises :class:`PlannerError` naming the cause when the model does not capture or the inputs do not fit it, and
     when the graph would not train as the model does: the model has backward hooks (:func:`hooked_modules`), or its
-    forward runs autograd.Functions or tensor hooks of the user's, whose backward torch.export drops. Forward hooks
-    are traced; a :class:`ForwardHookWarning` says that their other effects will not run.
+    forward registers gradient hooks on tensors, which torch.export drops. Forward hooks are traced; a
+    :class:`ForwardHookWarning` says that their other effects will not run. The user's autograd.Functions are kept
+    whole, forward and backward (:mod:`planner.functions`).
     """
     if not isinstance(model, torch.nn.Module):
         raise PlannerError(f"expected an nn.Module to plan, got {type(model).__name__}",
@@ -431,7 +422,7 @@ def capture(model: torch.nn.Module, example_args: tuple, example_kwargs: dict | 
     _check_hooks(model)
     was_training = model.training
     try:
-        with _cache_dropped(model, kwargs), _gradient_code_recorded() as gradient_code:
+        with _cache_dropped(model, kwargs), functions_kept_whole(), _tensor_hooks_recorded() as tensor_hooks:
             exported = torch.export.export(model, args, kwargs, strict=False)
     except Exception as exc:  # export raises many types; all mean the same to the user
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
@@ -442,7 +433,7 @@ def capture(model: torch.nn.Module, example_args: tuple, example_kwargs: dict | 
         ) from exc
     finally:
         model.train(was_training)
-    _check_gradients_kept(model, gradient_code)
+    _check_gradients_kept(model, tensor_hooks)
     graph_module, autocast = exported.module(), autocast_state()
     restore_attention(graph_module)  # is_causal and enable_gqa where the model passes them, not a mask and copies
     if replay_dropout and not autocast:  # under autocast the attention's math path casts its inputs: one op

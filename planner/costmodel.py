@@ -43,6 +43,7 @@ import torch.fx as fx
 
 from .dropout import is_mask
 from .errors import PlannerError
+from .functions import calls_function
 from .problem import (BackwardEpoch, HeldInputs, InputSaving, Phase, Problem, RecomputeOption, Schedule, Stage,
                       TensorInfo, keeps, last_rerun_reader, simulate)
 from .profile import BackwardReleases, GraphProfile, NodeProfile, StageMeasurement
@@ -338,7 +339,8 @@ def is_random(node: fx.Node) -> bool:
 
 
 def never_cached(nodes: Sequence[fx.Node]) -> set[str]:
-    """The random nodes among ``nodes`` that no region may cache: all of them, but for the dropout masks of
+    """The nodes among ``nodes`` that no region may cache: the calls of the user's autograd.Functions
+    (:mod:`planner.functions`), and the random nodes: all of them, but for the dropout masks of
     :mod:`planner.dropout` when they are the only random nodes. A kept mask draws nothing while its region is
     recomputed; each other mask replays from its own generator state, but a plain random op after it would draw
     from the wrong state.
@@ -349,10 +351,11 @@ def never_cached(nodes: Sequence[fx.Node]) -> set[str]:
     >>> never_cached(list(captured.compute_nodes()))
     set()
     """
+    functions = {n.name for n in nodes if calls_function(n)}  # a cache of one would hold every op of its forward
     random = [n for n in nodes if is_random(n)]
     if all(is_mask(n) for n in random):
-        return set()
-    return {n.name for n in random}
+        return functions
+    return functions | {n.name for n in random}
 
 
 def passes_gradient_through(node: fx.Node) -> bool:
