@@ -130,13 +130,11 @@ def test_functions_train_through_their_own_backward_within_the_prediction(granul
     run = lambda m: _square_mean(m(X))  # noqa: E731
     eager = training_step(model, run, (X,))
     opt = planner.optimize(model, budget, example_inputs=(X,), loss_fn=_square_mean, profile_repeats=1,
-                           granularity=granularity)
+                           granularity=granularity, hold_outputs=False)  # run() drops the outputs for the loss
     planned = training_step(opt, run, (X,), owner=model)
     assert_same_training(eager, planned, atol=0)
     assert bool(opt.plan.regions) == (budget != "100%")
-    assert planned.peak_bytes <= opt.plan.predicted_peak_bytes <= opt.plan.budget_bytes
-    # Swish's backward makes four temporaries at once; the prediction stays within one activation of the peak
-    assert opt.plan.predicted_peak_bytes - planned.peak_bytes <= X.numel() * 4 * 4
+    assert planned.peak_bytes == opt.plan.predicted_peak_bytes <= opt.plan.budget_bytes
 
 
 def test_a_function_returning_its_input_is_named():
@@ -184,3 +182,45 @@ def test_a_compiled_plan_calls_the_functions_too():
     compiled = training_step(opt, run, (X,), owner=model)
     assert_same_training(eager, compiled, atol=1e-5)
     assert dict(opt.plan.extra)["compiled_peak_bytes"] <= opt.plan.budget_bytes
+
+
+class NoisyDrop(torch.autograd.Function):
+    """Dropout written as a Function: draws its own mask, which a recomputation must draw again alike."""
+
+    @staticmethod
+    def forward(ctx, x, p):
+        keep = (torch.rand_like(x) > p).to(x.dtype) / (1 - p)
+        ctx.save_for_backward(keep)
+        return x * keep
+
+    @staticmethod
+    def backward(ctx, grad):
+        keep, = ctx.saved_tensors
+        return grad * keep, None
+
+
+class Dropping(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(WIDTH, 4 * WIDTH), torch.nn.GELU(), torch.nn.Linear(4 * WIDTH, WIDTH),
+                                torch.nn.Dropout(0.1)) for _ in range(6))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = x + NoisyDrop.apply(block(x), 0.2)
+        return x
+
+
+@pytest.mark.parametrize("granularity", ["block", "sublayer"])
+def test_a_function_drawing_random_numbers_draws_them_again_alike_when_recomputed(granularity):
+    torch.manual_seed(0)
+    model = Dropping()
+    run = lambda m: _square_mean(m(X))  # noqa: E731
+    eager = training_step(model, run, (X,), seed=5)
+    opt = planner.optimize(model, "45%", example_inputs=(X,), loss_fn=_square_mean, profile_repeats=1,
+                           granularity=granularity, hold_outputs=False)
+    assert opt.plan.regions
+    planned = training_step(opt, run, (X,), owner=model, seed=5)
+    assert_same_training(eager, planned, atol=0)
+    assert planned.peak_bytes == opt.plan.predicted_peak_bytes <= opt.plan.budget_bytes
