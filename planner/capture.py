@@ -362,15 +362,15 @@ def _check_hooks(model: torch.nn.Module) -> None:
 
 
 @contextlib.contextmanager
-def _tensor_hooks_recorded() -> Iterator[list[str]]:
-    """While the model is exported: the gradient hooks its forward registers on tensors, which the exported graph
-    would drop, described."""
-    found: list[str] = []
+def _tensor_hooks_recorded() -> Iterator[list[Any]]:
+    """While the model is exported: the gradient hooks of the user's that its forward registers on tensors, which
+    the exported graph would drop."""
+    found: list[Any] = []
     register_hook = torch.Tensor.register_hook
 
     def recording_register_hook(tensor, hook):
         if not is_own_code(hook):
-            found.append("registers a gradient hook with Tensor.register_hook")
+            found.append(hook)
         return register_hook(tensor, hook)
 
     torch.Tensor.register_hook = recording_register_hook
@@ -380,13 +380,15 @@ def _tensor_hooks_recorded() -> Iterator[list[str]]:
         torch.Tensor.register_hook = register_hook
 
 
-def _check_gradients_kept(model: torch.nn.Module, found: list[str]) -> None:
-    """Raise when the model's forward registered tensor hooks (:func:`_tensor_hooks_recorded`)."""
-    if not found:
+def _check_gradients_kept(model: torch.nn.Module, hooks: list[Any]) -> None:
+    """Raise when the model's forward registered gradient hooks on tensors (:func:`_tensor_hooks_recorded`)."""
+    if not hooks:
         return
+    named = getattr(hooks[0], "__qualname__", type(hooks[0]).__name__)
     raise PlannerError(
-        f"{type(model).__name__}'s forward {found[0]}, which torch.export drops (it keeps only the forward's ops), "
-        "so its captured graph would train differently",
+        f"{type(model).__name__}'s forward registers {len(hooks)} gradient hook(s) on tensors (Tensor.register_hook, "
+        f"the first {named}), which torch.export drops (it keeps only the forward's ops), so its captured graph "
+        "would train differently",
         hint="planner.optimize plans the submodules that register none and runs the rest eagerly; to plan the "
              "whole model, register gradient hooks on parameters (once, outside forward) or write the hooked step as "
              "a custom autograd.Function")

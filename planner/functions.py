@@ -33,12 +33,12 @@ True
 from __future__ import annotations
 
 import contextlib
-import inspect
 import hashlib
+import inspect
 import itertools
 import re
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 import torch
@@ -71,17 +71,17 @@ def calls_function(node: Any) -> bool:
 @dataclass
 class FunctionCall:
     """One way of calling an ``autograd.Function``: its class, where its tensor arguments go among the others
-    (``spec`` and ``constants``, None at a tensor's place), and where its tensor outputs go among the rest
-    (``out_spec``, ``out_constants``: learnt the first time it runs)."""
+    (``spec`` and ``constants``, a placeholder at each tensor's place), and where its tensor outputs go among the
+    rest (``out_spec``, ``out_constants``: learnt the first time it runs, so not frozen)."""
 
     function: type
     spec: TreeSpec
     constants: tuple
     out_spec: TreeSpec | None = None
     out_constants: tuple = ()
-    tensor_outputs: tuple[int, ...] = field(default=())
 
     def arguments(self, tensors: list[torch.Tensor]) -> tuple[tuple, dict]:
+        """The Function's ``(args, kwargs)``, with ``tensors`` put back in their places."""
         given = iter(tensors)
         leaves = [next(given) if c is _TENSOR else c for c in self.constants]
         return tree_unflatten(leaves, self.spec)
@@ -143,12 +143,11 @@ def _op_name(function: type, spec: TreeSpec, constants: tuple) -> str:
     """
     described = repr((function.__module__, function.__qualname__, str(spec), constants))
     stem = re.sub(r"\W", "_", function.__qualname__.replace("<locals>.", ""))
-    name = f"{stem}_{hashlib.sha1(described.encode()).hexdigest()[:8]}"
-    for again in itertools.count(2):
+    base = f"{stem}_{hashlib.sha1(described.encode()).hexdigest()[:8]}"
+    for name in itertools.chain([base], (f"{base}_{again}" for again in itertools.count(2))):
         known = _OPS.get(name)
-        if known is None or known[0].function is function and (known[0].spec, known[0].constants) == (spec, constants):
+        if known is None or (known[0].function, known[0].spec, known[0].constants) == (function, spec, constants):
             return name
-        name = f"{name.rsplit('_again', 1)[0]}_again{again}"
     raise AssertionError("unreachable")
 
 
