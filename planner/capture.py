@@ -30,7 +30,7 @@ from torch.utils._pytree import tree_flatten
 
 from .dropout import replayable_dropout
 from .errors import PlannerError
-from .functions import functions_kept_whole, is_own_code
+from .functions import functions_kept_whole, is_own_code, reentrant_checkpoints_traced
 from .attention import restore_attention
 
 
@@ -424,7 +424,8 @@ def capture(model: torch.nn.Module, example_args: tuple, example_kwargs: dict | 
     _check_hooks(model)
     was_training = model.training
     try:
-        with _cache_dropped(model, kwargs), functions_kept_whole(), _tensor_hooks_recorded() as tensor_hooks:
+        with _cache_dropped(model, kwargs), functions_kept_whole(), reentrant_checkpoints_traced(), \
+                _tensor_hooks_recorded() as tensor_hooks:
             exported = torch.export.export(model, args, kwargs, strict=False)
     except Exception as exc:  # export raises many types; all mean the same to the user
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__

@@ -47,7 +47,8 @@ from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
 from .errors import PlannerError
 
-__all__ = ["FunctionCall", "calls_function", "function_op", "functions_kept_whole", "is_own_code", "OWN_CODE"]
+__all__ = ["FunctionCall", "calls_function", "function_op", "functions_kept_whole", "is_own_code", "OWN_CODE",
+           "reentrant_checkpoints_traced"]
 
 # Code whose hooks and autograd.Functions the captured graph stands for: torch's, and the planner's own
 OWN_CODE = ("torch.", "planner.rewrite", "planner.parts", "planner.profile", "planner.dropout")
@@ -215,3 +216,29 @@ def functions_kept_whole() -> Iterator[None]:
     finally:
         for cls, forward in swapped.items():
             setattr(cls, "forward", forward)
+
+
+class _TracedThrough:
+    """Stands in for ``torch.utils.checkpoint``'s reentrant ``CheckpointFunction`` (see
+    :func:`reentrant_checkpoints_traced`)."""
+
+    @staticmethod
+    def apply(run_function: Callable, preserve_rng_state: bool, *args: Any) -> Any:
+        return run_function(*args)
+
+
+@contextlib.contextmanager
+def reentrant_checkpoints_traced() -> Iterator[None]:
+    """Within the block, ``torch.utils.checkpoint.checkpoint(..., use_reentrant=True)`` (Hugging Face's
+    ``gradient_checkpointing_enable`` without ``use_reentrant=False``, for one) calls the checkpointed function as
+    it is. Its ``CheckpointFunction`` runs the function without autograd, which ``torch.export`` records as a graph
+    that computes no gradients from there on (the first backward raises); traced through, the graph computes what
+    the model does, as for non-reentrant checkpoints, and the plan decides what is recomputed."""
+    import torch.utils.checkpoint as checkpointing
+
+    reentrant = checkpointing.CheckpointFunction
+    checkpointing.CheckpointFunction = _TracedThrough
+    try:
+        yield
+    finally:
+        checkpointing.CheckpointFunction = reentrant

@@ -15,7 +15,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import planner
-from planner.capture import casts_uncached
+from planner.capture import ForwardHookWarning, casts_uncached
 from planner.parts import PartialCaptureWarning
 from tests.helpers import Dropping, NoGradInside, StepResult, assert_same_training, training_step
 
@@ -371,6 +371,25 @@ def test_hugging_face_architectures_train_exactly_at_their_smallest_peak(name, g
                           owner=model)
     assert_same_training(eager, graph, atol=0)
     assert_same_training(graph, planned, atol=0)
+
+
+@pytest.mark.parametrize("use_reentrant", [True, False])
+def test_a_model_with_hugging_face_checkpointing_on_is_planned_anew_and_trains_exactly(use_reentrant):
+    """``gradient_checkpointing_enable`` left on: its checkpoints are traced through (reentrant ones ran the layers
+    without autograd in the captured graph, whose first backward raised), and the plan decides what to recompute;
+    its ``enable_input_require_grads`` hook is what the graph computes, so no ForwardHookWarning."""
+    model, kwargs = _hf("GPT2Config", "GPT2LMHeadModel", vocab_size=64, n_embd=32, n_layer=3, n_head=4)(), _CAUSAL
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": use_reentrant})
+    run = lambda m: m(**kwargs).loss  # noqa: E731
+    inputs = list(kwargs.values())
+    eager = training_step(model, run, inputs)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ForwardHookWarning)
+        opt = planner.optimize(model, "50%", example_kwargs=kwargs, profile_repeats=1, hold_outputs=False)
+    assert opt.plan.regions
+    planned = training_step(opt, run, inputs, owner=model)
+    assert planned.peak_bytes == opt.plan.predicted_peak_bytes <= opt.plan.budget_bytes
+    assert_same_training(eager, planned, atol=0)
 
 
 def test_a_region_holding_what_eager_frees_inside_its_last_reader_is_predicted_from_above():

@@ -224,3 +224,36 @@ def test_a_function_drawing_random_numbers_draws_them_again_alike_when_recompute
     planned = training_step(opt, run, (X,), owner=model, seed=5)
     assert_same_training(eager, planned, atol=0)
     assert planned.peak_bytes == opt.plan.predicted_peak_bytes <= opt.plan.budget_bytes
+
+
+class CheckpointedByHand(torch.nn.Module):
+    """Every other block under ``torch.utils.checkpoint``, reentrant or not."""
+
+    def __init__(self, use_reentrant: bool):
+        super().__init__()
+        self.use_reentrant = use_reentrant
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(WIDTH, 4 * WIDTH), torch.nn.GELU(), torch.nn.Linear(4 * WIDTH, WIDTH))
+            for _ in range(6))
+
+    def forward(self, x):
+        for i, block in enumerate(self.blocks):
+            y = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=self.use_reentrant) if i % 2 else block(x)
+            x = x + y
+        return x
+
+
+@pytest.mark.parametrize("use_reentrant", [True, False])
+def test_checkpoints_the_model_makes_itself_are_traced_through_and_planned_anew(use_reentrant):
+    torch.manual_seed(0)
+    model = CheckpointedByHand(use_reentrant)
+    x = X.clone().requires_grad_()  # reentrant checkpoint needs an input that requires grad
+    run = lambda m: _square_mean(m(x))  # noqa: E731
+    eager = training_step(model, run, (x,))
+    opt = planner.optimize(model, "60%", example_inputs=(x,), loss_fn=_square_mean, profile_repeats=1,
+                           hold_outputs=False)
+    assert torch.utils.checkpoint.CheckpointFunction.__name__ == "CheckpointFunction"  # put back
+    assert not any(calls_function(n) for n in opt.planned.captured.graph_module.graph.nodes)
+    planned = training_step(opt, run, (x,), owner=model)
+    assert_same_training(eager, planned, atol=0)
+    assert planned.peak_bytes == opt.plan.predicted_peak_bytes <= opt.plan.budget_bytes
