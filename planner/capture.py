@@ -169,8 +169,37 @@ def mutated_nodes(graph_module: fx.GraphModule) -> frozenset[str]:
 
 
 def written_arguments(node: fx.Node) -> list[Any]:
-    """What ``node`` writes in place (``relu_``'s input, ``add_``'s first argument); empty for pure ops."""
-    return written_inputs(node.target, node.args, node.kwargs)
+    """What ``node`` writes in place (``relu_``'s input, ``add_``'s first argument); empty for pure ops. For a
+    section export wrapped in a submodule (``torch.no_grad()`` inside forward: ``wrap_with_set_grad_enabled``), the
+    operands its ops write, directly or through views (a weight clamped in place, a running average updated).
+
+    >>> class Clipped(torch.nn.Module):
+    ...     def __init__(self):
+    ...         super().__init__()
+    ...         self.lin = torch.nn.Linear(2, 2)
+    ...     def forward(self, x):
+    ...         with torch.no_grad():
+    ...             self.lin.weight.clamp_(-1, 1)
+    ...         return self.lin(x)
+    >>> graph = capture(Clipped(), (torch.randn(3, 2),)).graph_module.graph
+    >>> [[w.target for w in written_arguments(n)] for n in graph.nodes if written_arguments(n)]
+    [['lin.weight']]
+    """
+    body_at = next((i for i, a in enumerate(node.args) if isinstance(a, fx.Node) and a.op == "get_attr"
+                    and isinstance(getattr(node.graph.owning_module, a.target, None), fx.GraphModule)), None)
+    if node.op != "call_function" or body_at is None or not isinstance(node.target, torch._ops.HigherOrderOperator):
+        return written_inputs(node.target, node.args, node.kwargs)
+    body = getattr(node.graph.owning_module, node.args[body_at].target)
+    placeholders = [n for n in body.graph.nodes if n.op == "placeholder"]
+    base: dict[fx.Node, fx.Node] = {}
+    written: set[fx.Node] = set()
+    for n in body.graph.nodes:
+        first = n.args[0] if n.op == "call_function" and n.args and isinstance(n.args[0], fx.Node) else None
+        if first is not None and aliases_input(n):
+            base[n] = base.get(first, first)
+        written.update(base.get(v, v) for v in written_arguments(n) if isinstance(v, fx.Node))
+    operands = node.args[body_at + 1:]
+    return [operands[i] for i, p in enumerate(placeholders) if p in written and i < len(operands)]
 
 
 def written_inputs(target: Any, args: tuple, kwargs: dict) -> list[Any]:

@@ -102,6 +102,26 @@ class FrozenWithBuffers(torch.nn.Module):
         return x
 
 
+class UpdatedUnderNoGrad(torch.nn.Module):
+    """Writes in place under ``torch.no_grad()`` inside forward, which export wraps in a submodule: the first
+    weight clamped, and a running average of each block's output (a VQ-VAE codebook's EMA, a custom norm's
+    statistics) updated; both must run once a step, not again when a region is recomputed."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(block() for _ in range(4))
+        self.register_buffer("average", torch.zeros(4, WIDTH))
+
+    def forward(self, x):
+        with torch.no_grad():
+            self.blocks[0][0].weight.clamp_(-0.1, 0.1)
+        for i, layer in enumerate(self.blocks):
+            x = x + layer(x)
+            with torch.no_grad():
+                self.average[i].mul_(0.9).add_(x.mean(0), alpha=0.1)
+        return x
+
+
 class DataDependent(torch.nn.Module):
     """The top level branches on a tensor's value, so it does not export; its blocks do."""
 
@@ -131,6 +151,7 @@ CASES = {
     "frozen_buffers_input_grad": (FrozenWithBuffers, (X.clone().requires_grad_(),),
                                   {"context": torch.randn(WIDTH)}, _square_mean, "75%"),
     "no_grad_inside": (NoGradInside, (X,), {}, _square_mean, "75%"),
+    "updated_under_no_grad": (UpdatedUnderNoGrad, (X,), {}, _square_mean, "60%"),
 }
 
 
@@ -388,7 +409,8 @@ def test_a_model_with_hugging_face_checkpointing_on_is_planned_anew_and_trains_e
         opt = planner.optimize(model, "50%", example_kwargs=kwargs, profile_repeats=1, hold_outputs=False)
     assert opt.plan.regions
     planned = training_step(opt, run, inputs, owner=model)
-    assert planned.peak_bytes == opt.plan.predicted_peak_bytes <= opt.plan.budget_bytes
+    assert planned.peak_bytes <= opt.plan.predicted_peak_bytes <= opt.plan.budget_bytes
+    assert opt.plan.predicted_peak_bytes - planned.peak_bytes <= 1024  # exact, or a few bytes over
     assert_same_training(eager, planned, atol=0)
 
 
