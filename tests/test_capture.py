@@ -67,27 +67,6 @@ def test_errors_name_the_cause_and_a_fix():
         capture(torch.nn.Linear(2, 2), (torch.randn(3, 5),))  # wrong input width
 
 
-class StraightThrough(torch.autograd.Function):
-    """Rounds in the forward, passes the gradient through unchanged: a backward no trace of the forward gives."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return torch.round(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad
-
-
-class Rounded(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.lin = torch.nn.Linear(4, 4)
-
-    def forward(self, x):
-        return StraightThrough.apply(self.lin(x))
-
-
 class HookedInForward(torch.nn.Module):
     def __init__(self):
         super().__init__()
@@ -97,15 +76,6 @@ class HookedInForward(torch.nn.Module):
         y = self.lin(x)
         y.register_hook(lambda grad: grad * 2)
         return y
-
-
-def test_a_custom_autograd_function_is_captured_whole_and_trains_through_its_own_backward():
-    model, x = Rounded(), torch.randn(2, 4)
-    graph = capture(model, (x,)).graph_module
-    assert [str(n.target) for n in graph.graph.nodes if n.op == "call_function"][0] == "aten.linear.default"
-    assert "round" not in graph.code  # not traced: one call of the Function
-    graph(x).sum().backward()
-    assert torch.equal(model.lin.bias.grad, torch.full((4,), 2.0))  # the straight-through gradient
 
 
 def test_a_graph_that_would_not_train_as_the_model_does_is_refused():
@@ -152,7 +122,6 @@ def test_hooks_of_torchs_own_are_what_the_graph_computes():
     x = torch.randn(2, 4)
     assert torch.equal(capture(weight_normed, (x,)).graph_module(x), weight_normed(x))
     assert "recording" not in torch.Tensor.register_hook.__qualname__  # the recording wrapper is gone again
-    assert "kept_whole" not in StraightThrough.forward.__qualname__
 
 
 def test_input_signature_tells_shapes_and_values_apart():

@@ -207,33 +207,8 @@ def test_a_model_that_exports_only_in_parts_is_planned_in_parts():
         torch.testing.assert_close(opt(X), model(X))
 
 
-class _RoundedThrough(torch.autograd.Function):
-    """Rounds to quarters in the forward; the straight-through backward passes the gradient unchanged."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return torch.round(x * 4) / 4
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad
-
-
 def _stack() -> torch.nn.Module:
     return torch.nn.Sequential(*[block() for _ in range(3)])
-
-
-class QuantisedResiduals(torch.nn.Module):
-    """Each stack's output quantised with a straight-through estimator (a custom autograd.Function)."""
-
-    def __init__(self):
-        super().__init__()
-        self.blocks = torch.nn.ModuleList(_stack() for _ in range(3))
-
-    def forward(self, x):
-        for layer in self.blocks:
-            x = x + _RoundedThrough.apply(layer(x))
-        return x
 
 
 class HalvedGradient(torch.nn.Module):
@@ -271,20 +246,6 @@ def _hooked(model: Observed) -> tuple[Observed, list]:
     model.blocks[1].register_forward_hook(lambda module, args, out: seen.append(out.shape))
     model.blocks[1].register_full_backward_hook(lambda module, grad_in, grad_out: (grad_in[0] * 3,))
     return model, seen
-
-
-def test_a_custom_autograd_function_is_planned_with_the_rest_and_trains_exactly():
-    torch.manual_seed(0)
-    model = QuantisedResiduals()
-    run = lambda m: _square_mean(m(X))  # noqa: E731
-    eager = training_step(model, run, (X,))
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", PartialCaptureWarning)
-        opt = planner.optimize(model, "60%", example_inputs=(X,), loss_fn=_square_mean, profile_repeats=1)
-    assert opt.plan.regions
-    planned = training_step(opt, run, (X,), owner=model)
-    assert planned.peak_bytes <= opt.plan.predicted_peak_bytes <= opt.plan.budget_bytes
-    assert_same_training(eager, planned, atol=0)
 
 
 @pytest.mark.parametrize("factory, reason", [

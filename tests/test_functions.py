@@ -116,6 +116,26 @@ def test_every_way_of_calling_a_function_is_one_node():
     assert set(never_cached(list(graph.graph.nodes))) == {n.name for n in graph.graph.nodes if calls_function(n)}
 
 
+class Applying(torch.nn.Module):
+    """A linear layer, then ``function``."""
+
+    def __init__(self, function: type):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.function = function
+
+    def forward(self, x):
+        return self.function.apply(self.lin(x))
+
+
+def test_the_captured_graph_trains_through_the_functions_own_backward():
+    model, x = Applying(StraightThrough), torch.randn(2, 4)
+    graph = capture(model, (x,)).graph_module
+    assert "round" not in graph.code  # not traced: one call of the Function
+    graph(x).sum().backward()
+    assert torch.equal(model.lin.bias.grad, torch.full((4,), 2.0))  # straight through; a traced round gives 0
+
+
 def test_the_same_call_captured_again_is_the_same_operator():
     model = Blocks(layers=1)
     first, again = (capture(model, (X,)).graph_module for _ in range(2))
@@ -139,16 +159,8 @@ def test_functions_train_through_their_own_backward_within_the_prediction(granul
 
 
 def test_a_function_returning_its_input_is_named():
-    class Identity(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.lin = torch.nn.Linear(4, 4)
-
-        def forward(self, x):
-            return Returning.apply(self.lin(x))
-
     with pytest.raises(PlannerError, match="Returning returns an input"):
-        capture(Identity(), (torch.randn(2, 4),))
+        capture(Applying(Returning), (torch.randn(2, 4),))
     assert "kept_whole" not in Returning.forward.__qualname__
 
 
