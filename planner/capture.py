@@ -30,7 +30,7 @@ from torch.utils._pytree import tree_flatten
 
 from .dropout import replayable_dropout
 from .errors import PlannerError
-from .functions import functions_kept_whole, is_own_code, reentrant_checkpoints_traced
+from .functions import functions_kept_whole, is_own_code, name_function_calls, reentrant_checkpoints_traced
 from .attention import restore_attention
 
 
@@ -471,6 +471,7 @@ def capture(model: torch.nn.Module, example_args: tuple, example_kwargs: dict | 
     if replay_dropout and not autocast:  # under autocast the attention's math path casts its inputs: one op
         replayable_dropout(graph_module)
     name_layout_copies(graph_module)
+    name_function_calls(graph_module)
     return CapturedGraph(graph_module, args, kwargs, input_signature(args, kwargs), autocast)
 
 

@@ -40,7 +40,10 @@ and the recomputation takes them instead of remaking them.
 
 from __future__ import annotations
 
+from typing import Any
+
 from .budget import format_bytes
+from .errors import PlannerError
 from .plan import Plan, StageSummary, TensorFate, TensorSummary
 
 __all__ = ["explain", "format_seconds"]
@@ -154,12 +157,24 @@ def _prediction(plan: Plan) -> str:
             f"{format_bytes(plan.eager_peak_bytes)}){budget}, +{plan.predicted_overhead:.1%} step time{compiled}")
 
 
+def _the_plan(given: Any) -> Plan:
+    """``given`` if it is a plan, else the plan it holds (the module :func:`planner.optimize` returned)."""
+    if isinstance(given, Plan):
+        return given
+    held = getattr(given, "plan", None)
+    if not isinstance(held, Plan):
+        raise PlannerError(f"explain takes a Plan or the module planner.optimize returned, not a "
+                           f"{type(given).__name__}", hint="pass opt.plan, or Plan.from_json(text) for a saved plan")
+    return held
+
+
 def explain(plan: Plan, *, show_nodes: bool = False, show_tensors: bool = False) -> str:
     """A table of what each stage keeps for the backward and what it recomputes under ``plan``.
 
     Parameters
     ----------
-    plan : a plan, made by a solver or read with :meth:`Plan.from_json <planner.plan.Plan.from_json>`.
+    plan : a plan, made by a solver or read with :meth:`Plan.from_json <planner.plan.Plan.from_json>`, or the
+        module :func:`planner.optimize` returned (its last plan).
     show_nodes : also list, under each recomputed stage, the graph nodes whose outputs it caches.
     show_tensors : also list, under each stage, the tensors it makes that eager training holds for the backward
         (or that a region holds as its input), largest first: kept, region input, cached or recomputed, their
@@ -184,6 +199,7 @@ def explain(plan: Plan, *, show_nodes: bool = False, show_tensors: bool = False)
     >>> print(text.splitlines()[4])
     b      recomputed in region 1     2.00 KiB      2.00 KiB    1.00 ms
     """
+    plan = _the_plan(plan)
     owner = _region_of(plan)
     rows = [_stage_row(plan, k, owner[k]) for k in range(len(plan.stage_names))]
     lines = [f"plan by {plan.solver} ({plan.status.value}): {len(plan.recomputed_stage_names)} of "

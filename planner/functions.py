@@ -48,7 +48,7 @@ from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 from .errors import PlannerError
 
 __all__ = ["FunctionCall", "calls_function", "function_op", "functions_kept_whole", "is_own_code", "OWN_CODE",
-           "reentrant_checkpoints_traced"]
+           "name_function_calls", "reentrant_checkpoints_traced"]
 
 # Code whose hooks and autograd.Functions the captured graph stands for: torch's, and the planner's own
 OWN_CODE = ("torch.", "planner.rewrite", "planner.parts", "planner.profile", "planner.dropout")
@@ -242,3 +242,30 @@ def reentrant_checkpoints_traced() -> Iterator[None]:
         yield
     finally:
         checkpointing.CheckpointFunction = reentrant
+
+
+def name_function_calls(graph_module: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """Name each node that calls a Function after the Function (``swish``, ``swish_1``), not after its operator,
+    whose name ends in a hash: what :func:`planner.explain` and the plan's stages show. Returns the module.
+
+    >>> class Doubled(torch.autograd.Function):
+    ...     @staticmethod
+    ...     def forward(ctx, x):
+    ...         return x * 2
+    ...     @staticmethod
+    ...     def backward(ctx, grad):
+    ...         return grad * 2
+    >>> class Model(torch.nn.Module):
+    ...     def forward(self, x):
+    ...         return Doubled.apply(Doubled.apply(x))
+    >>> with functions_kept_whole():
+    ...     graph = torch.export.export(Model(), (torch.randn(2),), strict=False).module()
+    >>> [n.name for n in name_function_calls(graph).graph.nodes if calls_function(n)]
+    ['doubled', 'doubled_1']
+    """
+    for n in graph_module.graph.nodes:
+        if calls_function(n):
+            stem = n.target.name().split("::", 1)[1].rsplit("_", 1)[0]
+            n._rename(re.sub(r"(?<!^)(?=[A-Z])", "_", stem).lower().replace("__", "_"))
+    graph_module.recompile()
+    return graph_module

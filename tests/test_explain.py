@@ -90,6 +90,16 @@ def test_explain_is_exported_from_the_package():
     assert planner.explain is explain
 
 
+def test_explain_takes_the_module_optimize_returned_and_names_what_it_cannot_explain():
+    torch = pytest.importorskip("torch")
+    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.GELU(),
+                                                      torch.nn.Linear(64, 16)) for _ in range(4)])
+    opt = planner.optimize(model, "70%", example_inputs=(torch.randn(128, 16),), profile_repeats=1)
+    assert explain(opt) == explain(opt.plan)
+    with pytest.raises(planner.PlannerError, match="not a Sequential"):
+        explain(model)
+
+
 @pytest.mark.parametrize("seconds, text", [(0, "0"), (5e-7, "0.5 us"), (0.25, "250.00 ms"), (12.5, "12.50 s")])
 def test_format_seconds(seconds, text):
     assert format_seconds(seconds) == text
