@@ -155,17 +155,24 @@ def mutated_nodes(graph_module: fx.GraphModule) -> frozenset[str]:
     >>> sorted(mutated_nodes(capture(Router(), (torch.randn(4, 8),)).graph_module))
     ['div_', 'getitem', 'getitem_1', 'topk']
     """
+    base, written = _written_bases(graph_module.graph)
+    return frozenset(n.name for n in graph_module.graph.nodes
+                     if n.op == "call_function" and base.get(n, n) in written)
+
+
+def _written_bases(graph: fx.Graph) -> tuple[dict[fx.Node, fx.Node], set[fx.Node]]:
+    """Each view's (or in-place op's, or item's) base node in ``graph``, and the base nodes its ops write in
+    place, directly or through views."""
     base: dict[fx.Node, fx.Node] = {}
     written: set[fx.Node] = set()
-    for n in graph_module.graph.nodes:
+    for n in graph.nodes:
         if n.op != "call_function":
             continue
         first = n.args[0] if n.args and isinstance(n.args[0], fx.Node) else None
         if first is not None and aliases_input(n):
             base[n] = base.get(first, first)
         written.update(base.get(value, value) for value in written_arguments(n) if isinstance(value, fx.Node))
-    return frozenset(n.name for n in graph_module.graph.nodes
-                     if n.op == "call_function" and base.get(n, n) in written)
+    return base, written
 
 
 def written_arguments(node: fx.Node) -> list[Any]:
@@ -191,13 +198,7 @@ def written_arguments(node: fx.Node) -> list[Any]:
         return written_inputs(node.target, node.args, node.kwargs)
     body = getattr(node.graph.owning_module, node.args[body_at].target)
     placeholders = [n for n in body.graph.nodes if n.op == "placeholder"]
-    base: dict[fx.Node, fx.Node] = {}
-    written: set[fx.Node] = set()
-    for n in body.graph.nodes:
-        first = n.args[0] if n.op == "call_function" and n.args and isinstance(n.args[0], fx.Node) else None
-        if first is not None and aliases_input(n):
-            base[n] = base.get(first, first)
-        written.update(base.get(v, v) for v in written_arguments(n) if isinstance(v, fx.Node))
+    written = _written_bases(body.graph)[1]
     operands = node.args[body_at + 1:]
     return [operands[i] for i, p in enumerate(placeholders) if p in written and i < len(operands)]
 

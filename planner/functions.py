@@ -35,7 +35,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import inspect
-import itertools
 import re
 import threading
 from dataclasses import dataclass
@@ -144,12 +143,13 @@ def _op_name(function: type, spec: TreeSpec, constants: tuple) -> str:
     """
     described = repr((function.__module__, function.__qualname__, str(spec), constants))
     stem = re.sub(r"\W", "_", function.__qualname__.replace("<locals>.", ""))
-    base = f"{stem}_{hashlib.sha1(described.encode()).hexdigest()[:8]}"
-    for name in itertools.chain([base], (f"{base}_{again}" for again in itertools.count(2))):
-        known = _OPS.get(name)
-        if known is None or (known[0].function, known[0].spec, known[0].constants) == (function, spec, constants):
-            return name
-    raise AssertionError("unreachable")
+    base = name = f"{stem}_{hashlib.sha1(described.encode()).hexdigest()[:8]}"
+    again = 1
+    while name in _OPS and (_OPS[name][0].function, _OPS[name][0].spec, _OPS[name][0].constants) != \
+            (function, spec, constants):
+        again += 1
+        name = f"{base}_{again}"
+    return name
 
 
 def function_op(function: type, args: tuple, kwargs: dict) -> tuple[Any, FunctionCall]:
