@@ -28,9 +28,9 @@ import copy
 import functools
 import operator
 import threading
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from functools import partial
-from typing import AbstractSet, Any, Iterator, Sequence
+from typing import AbstractSet, Any, Sequence
 
 import torch
 import torch.fx as fx
@@ -66,7 +66,7 @@ def cached_call(target: Any) -> Any:
             with fx_traceback.annotate({CACHED: True}):
                 return target(*args, **kwargs)
         mode = getattr(_STATE, "cache_mode", None)
-        if mode is None:  # the body run by itself, outside its region's checkpoint
+        if mode is None or mode.cache.spent:  # the body run by itself, or a recomputation after the first
             return target(*args, **kwargs)
         first = len(mode.cache.entries)
         with mode:
@@ -129,11 +129,18 @@ def _watched(value: Any, visible: Sequence[torch.Tensor]) -> Any:
 class _RegionCache:
     """The outputs one call of a region caches, in the order its forward made them, each with the versions of its
     tensors (a later in-place write to one would make the replay wrong, so the replay checks them). The replay
-    drops each entry as it hands it out, so the recomputation holds it only as long as what it recomputes does."""
+    drops each entry as it hands it out, so the recomputation holds it only as long as what it recomputes does.
+    A recomputation after the first (the backward run again) finds the cache spent and runs the cached ops again,
+    holding for that pass what the cached ops make as well as what they would have cached."""
 
     def __init__(self) -> None:
         self.entries: list[tuple[Any, tuple[int, ...]] | None] = []
         self.replayed = 0
+        self.spent = False
+
+    def begin_replay(self) -> None:
+        """A recomputation starts: the first replays the entries; any later one finds them spent."""
+        self.spent = self.replayed > 0
 
     def record(self, out: Any) -> None:
         self.entries.append((_detached(out), _versions(out)))
@@ -150,9 +157,8 @@ class _RegionCache:
     def replay(self, op) -> Any:
         if self.replayed >= len(self.entries):
             raise PlannerError(f"a region's recomputation called {op} more often than its forward did",
-                               hint="a caching region's backward runs once per forward (as with selective "
-                                    "checkpointing: no retain_graph=True), and its ops must not depend on state "
-                                    "that changes between forward and backward")
+                               hint="a caching region's ops must not depend on state that changes between forward "
+                                    "and backward")
         (out, versions), self.entries[self.replayed] = self.entries[self.replayed], None
         self.replayed += 1
         if _versions(out) != versions:
@@ -228,16 +234,24 @@ def planner_batch_norm(input, weight, bias, running_mean, running_var, training,
                                              eps, cudnn_enabled)
 
 
-@contextmanager
-def _region_pass(recomputing: bool, cache_mode: _CacheMode | None) -> Iterator[None]:
+class _RegionPass:
     """One pass of a region's body: its forward or (``recomputing``) its recomputation, with the mode its cached
-    nodes run under (None: it caches nothing)."""
-    previous = _flag("recomputing"), getattr(_STATE, "cache_mode", None)
-    _STATE.recomputing, _STATE.cache_mode = recomputing, cache_mode
-    try:
-        yield
-    finally:
-        _STATE.recomputing, _STATE.cache_mode = previous
+    nodes run under (None: it caches nothing). Entered again each time the recomputation runs: a backward run twice
+    over one forward (``retain_graph=True``; ``create_graph=True`` for a gradient penalty, whose second backward
+    passes through the region again) recomputes the region each time, as plain checkpointing does."""
+
+    def __init__(self, recomputing: bool, cache_mode: _CacheMode | None) -> None:
+        self.recomputing, self.cache_mode = recomputing, cache_mode
+        self._previous: list[tuple[bool, _CacheMode | None]] = []
+
+    def __enter__(self) -> None:
+        self._previous.append((_flag("recomputing"), getattr(_STATE, "cache_mode", None)))
+        if self.recomputing and self.cache_mode is not None:
+            self.cache_mode.cache.begin_replay()
+        _STATE.recomputing, _STATE.cache_mode = self.recomputing, self.cache_mode
+
+    def __exit__(self, *exc: Any) -> None:
+        _STATE.recomputing, _STATE.cache_mode = self._previous.pop()
 
 
 class CheckpointRegion(torch.nn.Module):
@@ -251,9 +265,9 @@ class CheckpointRegion(torch.nn.Module):
 
     def _contexts(self):
         if not self.cached_nodes:
-            return nullcontext(), _region_pass(True, None)
+            return nullcontext(), _RegionPass(True, None)
         cache = _RegionCache()  # one per call: checkpoint asks for the contexts each time it runs the region
-        return _region_pass(False, _Recording(cache)), _region_pass(True, _Replaying(cache))
+        return _RegionPass(False, _Recording(cache)), _RegionPass(True, _Replaying(cache))
 
     def forward(self, *args: Any) -> Any:
         if torch.compiler.is_compiling():

@@ -223,6 +223,41 @@ def test_a_region_replays_its_cached_ops_instead_of_running_them(convnet, option
     assert_same_training(eager, result, atol=0)
 
 
+def _backward_twice(x):
+    def run(m):
+        loss = m(x).square().mean()
+        loss.backward(retain_graph=True)
+        return loss
+    return run
+
+
+def _gradient_penalty(x):
+    def run(m):
+        inputs = x.clone().requires_grad_()
+        loss = m(inputs).square().mean()
+        grad, = torch.autograd.grad(loss, inputs, create_graph=True)
+        return loss + grad.square().sum()
+    return run
+
+
+@pytest.mark.parametrize("option", ["recompute_all", "cache_masks", "cache_50pct"])
+@pytest.mark.parametrize("step", [_backward_twice, _gradient_penalty], ids=["retain_graph", "create_graph"])
+def test_a_region_recomputed_again_in_a_second_backward_trains_exactly(convnet, option, step):
+    """A backward run twice over one forward (``retain_graph=True``), or a gradient penalty's backward through
+    the first one's graph (``create_graph=True``), recomputes each region twice: the second recomputation finds
+    the cache spent and runs the cached ops (dropout masks, BatchNorm) again. Gradients, BatchNorm statistics and
+    the generator's state equal eager's bit for bit, as with plain checkpointing."""
+    model, x, captured, problem, stage_nodes = convnet
+    options = [next(i for i, o in enumerate(problem.stages[k].recompute_options) if o.name == option)
+               for k in range(4)]
+    planned = _planned(convnet, Schedule((Region(0, 2, tuple(options[:2])), Region(2, 4, tuple(options[2:])))))
+    eager = training_step(model, step(x), (x,))
+    eager_next = torch.rand(3)
+    result = training_step(planned, step(x), (x,), owner=model)
+    assert torch.equal(torch.rand(3), eager_next)
+    assert_same_training(eager, result, atol=0)
+
+
 def test_a_cached_tensor_written_in_place_after_caching_is_refused():
     from planner.rewrite import _RegionCache
 
