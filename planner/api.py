@@ -1018,6 +1018,32 @@ def _swapped_tensors(model: torch.nn.Module, planned: torch.nn.Module) -> dict[s
     return {name: live[name] for name in captured if name in live}
 
 
+def _saved_as_the_models(module: "OptimizedModule", state_dict: dict, prefix: str, local_metadata: dict) -> None:
+    """``state_dict`` hook: the planned module saves under the model's own keys (``blocks.0.weight``, not
+    ``model.blocks.0.weight``), so a checkpoint saved from either loads into the other, and ``Trainer.save_model``
+    writes one that ``from_pretrained`` reads. Module versions are kept under both names."""
+    inner = prefix + "model."
+    for key in [k for k in state_dict if k.startswith(inner)]:
+        state_dict[prefix + key[len(inner):]] = state_dict.pop(key)
+    metadata = getattr(state_dict, "_metadata", None)
+    if metadata is not None:
+        for key in [k for k in metadata if k == inner[:-1] or k.startswith(inner)]:
+            metadata[(prefix + key[len(inner):]).rstrip(".")] = metadata[key]
+
+
+def _loaded_into_the_model(module: "OptimizedModule", state_dict: dict, prefix: str, *_: Any) -> None:
+    """``load_state_dict`` pre-hook: keys in the model's own form (see :func:`_saved_as_the_models`) load into
+    the model; keys that name it (``model.blocks.0.weight``, as ``named_parameters`` does) load as they are. Which
+    form a state dict is in is read from its keys, as a model may have a submodule of its own named ``model``
+    (Hugging Face's ``LlamaForCausalLM.model``)."""
+    ours = [k[len(prefix):] for k in state_dict if k.startswith(prefix)]
+    models = set(module.model.state_dict(keep_vars=True))
+    as_model = sum(k in models for k in ours)
+    if as_model and as_model >= sum(k.startswith("model.") and k[6:] in models for k in ours):
+        for key in ours:
+            state_dict[prefix + "model." + key] = state_dict.pop(prefix + key)
+
+
 class OptimizedModule(torch.nn.Module):
     """Runs ``model`` under a plan; holds the caller's own module (and so its ``Parameter`` objects).
 
@@ -1034,6 +1060,8 @@ class OptimizedModule(torch.nn.Module):
         self._planned: dict[tuple, tuple[Planned, torch.nn.Module]] = {}
         self._last: Planned | None = None
         self._parts: dict[str, OptimizedModule] | None = None  # set when the model captures only in parts
+        self.register_state_dict_post_hook(_saved_as_the_models)
+        self.register_load_state_dict_pre_hook(_loaded_into_the_model)
 
     @property
     def parts(self) -> dict[str, "OptimizedModule"]:

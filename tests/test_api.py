@@ -148,6 +148,36 @@ def test_the_wrapper_reads_the_models_own_attributes_through(model):
         opt.nothing_here
 
 
+class WithModelInside(torch.nn.Module):
+    """A submodule of its own named ``model`` (as Hugging Face's ``LlamaForCausalLM.model``), and a BatchNorm,
+    whose version a state dict's metadata carries."""
+
+    def __init__(self):
+        super().__init__()
+        self.model, self.norm = Blocks(n=2), torch.nn.BatchNorm1d(32)
+
+    def forward(self, x):
+        return self.norm(self.model(x))
+
+
+def test_the_planned_module_saves_and_loads_the_models_own_state_dict():
+    torch.manual_seed(0)
+    model = WithModelInside()
+    opt = planner.optimize(model, "60%")
+    saved = opt.state_dict()
+    assert list(saved) == list(model.state_dict())  # model.layers.0.0.weight, not model.model.layers...
+    assert saved._metadata["norm"] == model.state_dict()._metadata["norm"] == {"version": 2}
+    WithModelInside().load_state_dict(saved)  # strict: a checkpoint of the planned module loads into the model
+    for shift, names in ((1, ""), (-1, "model.")):  # the model's own keys, and the wrapper's (named_parameters')
+        state = {names + k: v + shift for k, v in model.state_dict().items()}
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        opt.load_state_dict(state)
+        assert all(torch.equal(v, before[k] + shift) for k, v in model.state_dict().items())
+    parent = torch.nn.Sequential(opt)
+    assert list(parent.state_dict()) == [f"0.{k}" for k in model.state_dict()]
+    parent.load_state_dict(parent.state_dict())
+
+
 def test_impossible_budget_names_the_smallest_feasible_one(model):
     with pytest.raises(InfeasibleBudgetError) as info:
         planner.optimize(model, "1KB", example_inputs=(X,), loss_fn=_loss, profile_repeats=1)
