@@ -18,11 +18,12 @@ import collections
 import contextlib
 import dataclasses
 import hashlib
+import inspect
 import itertools
 import os
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -1044,6 +1045,28 @@ def _loaded_into_the_model(module: "OptimizedModule", state_dict: dict, prefix: 
             state_dict[prefix + "model." + key] = state_dict.pop(prefix + key)
 
 
+def _placements(model: torch.nn.Module) -> list[tuple]:
+    """Which tensor each parameter and buffer of ``model`` is, and where it lives."""
+    return [(id(t), t.data_ptr(), t.dtype, t.device) for t in itertools.chain(model.parameters(), model.buffers())]
+
+
+@contextlib.contextmanager
+def _own_forward(model: torch.nn.Module) -> Iterator[None]:
+    """While planning, a model that runs a plan installed in it (``in_place=True``) has its own forward back:
+    capture and profiling run that one."""
+    installed = model.__dict__.get("forward")
+    if not isinstance(installed, _PlannedForward):
+        yield
+        return
+    del model.forward
+    if installed.own is not None:
+        model.forward = installed.own
+    try:
+        yield
+    finally:
+        model.forward = installed
+
+
 class OptimizedModule(torch.nn.Module):
     """Runs ``model`` under a plan; holds the caller's own module (and so its ``Parameter`` objects).
 
@@ -1102,6 +1125,10 @@ class OptimizedModule(torch.nn.Module):
         self._last = planned
 
     def _plan_for(self, args: tuple, kwargs: dict) -> None:
+        with _own_forward(self.model):
+            self._plan_now(args, kwargs)
+
+    def _plan_now(self, args: tuple, kwargs: dict) -> None:
         device_type_of(self.model, (args, kwargs))  # one device, or say how to get there
         sharding = fsdp.sharding_of(self.model, self)
         if sharding is not None:
@@ -1181,11 +1208,20 @@ class OptimizedModule(torch.nn.Module):
         return super().__call__(*args, **kwargs)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if not (self.training and torch.is_grad_enabled()):
-            return self.model(*args, **kwargs)
+        if not (self.training and torch.is_grad_enabled()) or self._installed():
+            return self.model(*args, **kwargs)  # installed (in_place=True): the model's forward runs the plan
+        return self._run_planned(self.model, args, kwargs)
+
+    def _installed(self) -> bool:
+        installed = self.model.__dict__.get("forward")
+        return isinstance(installed, _PlannedForward) and installed.optimized is self
+
+    def _run_planned(self, run_model: Callable, args: tuple, kwargs: dict) -> Any:
+        """One training call under the plan for these inputs (planned now if new); ``run_model`` runs the model
+        itself where its parts are planned apart (the model, or its own forward once installed in it)."""
         if self._parts is not None:
             with parts_planned(self.model, self._parts):
-                return self.model(*args, **kwargs)
+                return run_model(*args, **kwargs)
         kwargs = without_unmasking_mask(self.model, kwargs)
         sharded = fsdp.units_signature(self.model, self)
         key = self._key(args, kwargs, sharded)
@@ -1200,11 +1236,38 @@ class OptimizedModule(torch.nn.Module):
             return torch.func.functional_call(module, swapped, args, kwargs, strict=False)
         return module(*args, **kwargs)
 
-    def _apply(self, fn, recurse=True):
+    def _forget_plans(self) -> None:
         for optimized in (self, *(self._parts or {}).values()):
-            optimized._planned.clear()  # plans were profiled for the old device or dtype
+            optimized._planned.clear()
             optimized._last = None
-        return super()._apply(fn, recurse)
+
+    def uninstall(self) -> None:
+        """Undo ``optimize(..., in_place=True)``: the model runs its own forward again."""
+        planned = self.model.__dict__.get("forward")
+        if not isinstance(planned, _PlannedForward) or planned.optimized is not self:
+            raise PlannerError(f"no plan of this module is installed in {type(self.model).__name__}",
+                               hint="uninstall() undoes optimize(..., in_place=True)")
+        del self.model.forward, self.model._apply
+        if planned.own is not None:
+            self.model.forward = planned.own
+
+    def _apply(self, fn, recurse=True):
+        return self._moved(lambda: super(OptimizedModule, self)._apply(fn, recurse))
+
+    def _moved(self, move: Callable[[], Any]) -> Any:
+        """``move()`` (``.to()``, ``.double()``), dropping the plans when it moved a parameter or buffer: they were
+        profiled for the old device or dtype, and their graphs hold the old tensors. A move to where the tensors
+        are already (``Trainer`` moving the model to its device) keeps them."""
+        before = _placements(self.model)
+        moved = move()
+        if _placements(self.model) != before:
+            self._forget_plans()
+        return moved
+
+    def __getstate__(self) -> dict:
+        """Pickled (``torch.save`` of the module, ``copy.deepcopy``) without its planned graphs, which hold code
+        made at run time: the copy plans again on its first training call."""
+        return {**super().__getstate__(), "_planned": {}, "_last": None}
 
     def __getattr__(self, name: str):
         """Attributes this wrapper lacks read through to the model (``config``, ``loss_type``, ...), as through
@@ -1224,13 +1287,64 @@ class OptimizedModule(torch.nn.Module):
             "" if compiled is None else f", compile={compiled or True!r}")
 
 
+
+class _PlannedForward:
+    """The ``forward`` that ``optimize(..., in_place=True)`` gives the model itself: a training call with gradients
+    on runs the plan, any other call the model's own forward (as do the parts of a model planned in parts, and
+    planning: see :func:`_own_forward`)."""
+
+    def __init__(self, optimized: OptimizedModule) -> None:
+        self.optimized = optimized
+        self.own = optimized.model.__dict__.get("forward")  # a forward the instance had already, else None
+
+    @property
+    def __signature__(self) -> inspect.Signature:  # the model's (Trainer and export read it)
+        return inspect.signature(self.own or type(self.optimized.model).forward.__get__(self.optimized.model))
+
+    def run_own(self, *args: Any, **kwargs: Any) -> Any:
+        model = self.optimized.model
+        return (self.own or type(model).forward.__get__(model))(*args, **kwargs)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        model = self.optimized.model
+        if not (model.training and torch.is_grad_enabled()):
+            return self.run_own(*args, **kwargs)
+        return self.optimized._run_planned(self.run_own, args, kwargs)
+
+
+class _ForgettingApply:
+    """The model's ``_apply`` (what ``.to()``, ``.double()``, ``.cuda()`` call) once a plan is installed in it:
+    see :meth:`OptimizedModule._moved`."""
+
+    def __init__(self, optimized: OptimizedModule) -> None:
+        self.optimized = optimized
+
+    def __call__(self, fn: Callable, recurse: bool = True) -> torch.nn.Module:
+        model = self.optimized.model
+        return self.optimized._moved(lambda: type(model)._apply(model, fn, recurse))
+
+
+def _install(optimized: OptimizedModule) -> None:
+    model = optimized.model
+    if isinstance(model.__dict__.get("forward"), _PlannedForward):
+        raise PlannerError(f"{type(model).__name__} already runs a plan installed in place",
+                           hint="call .uninstall() on the module optimize returned then, or plan that one again")
+    if fsdp.sharding_of(model) is not None:
+        raise PlannerError(f"in_place=True with FSDP: {type(model).__name__} is sharded with fully_shard, whose "
+                           f"hooks the planned module runs itself",
+                           hint="train the module optimize returns (in_place=False)")
+    model.forward = _PlannedForward(optimized)
+    model._apply = _ForgettingApply(optimized)
+
+
 def optimize(model: torch.nn.Module, budget: int | str | None, example_inputs: Any = None, *,
              example_kwargs: dict | None = None, optimizer: torch.optim.Optimizer | None = None,
              solver: str = "auto", loss_fn: Callable | None = None, max_stages: int = 64,
              profile_repeats: int = 3, solver_options: dict | None = None,
              hold_outputs: bool = True, device: str | DeviceSpec | None = None,
              allocator_margin: float | None = None, ddp: bool = False,
-             granularity: str | Granularity = Granularity.BLOCK, compile: bool | dict = False) -> OptimizedModule:
+             granularity: str | Granularity = Granularity.BLOCK, compile: bool | dict = False,
+             in_place: bool = False) -> OptimizedModule:
     """Return a module that trains ``model``'s own parameters within ``budget`` with the least recomputation.
 
     Parameters
@@ -1273,6 +1387,12 @@ def optimize(model: torch.nn.Module, budget: int | str | None, example_inputs: A
         ``torch._inductor.config.fallback_random = True``. Outside training the model runs as is, uncompiled. Not
         with ``device=``, FSDP or a model that captures only in parts: ``torch.compile`` the module this returns
         instead.
+    in_place : also make ``model`` itself run the plan: its ``forward`` (an attribute of the instance) calls the
+        returned module in training with gradients on, and is its own otherwise; ``.to()`` and ``.double()`` on
+        the model drop the plans made for the old device or dtype. Code that holds the model or checks its class
+        then trains under the plan: ``transformers.Trainer`` saves it with ``save_pretrained``, as
+        ``accelerate.unwrap_model`` finds the model itself. ``.uninstall()`` on the returned module undoes it.
+        Not with FSDP.
 
     Under FSDP2, ``fully_shard`` the blocks and then the model (or the module this returns), before or after this
     call: the plan is made for this rank's share (a sharded model plans again on its first call; without
@@ -1288,6 +1408,8 @@ def optimize(model: torch.nn.Module, budget: int | str | None, example_inputs: A
     optimized = OptimizedModule(model, budget, planner_options=options)
     if example_inputs is not None or example_kwargs:
         optimized._plan_for(_as_args(example_inputs), without_unmasking_mask(model, dict(example_kwargs or {})))
+    if in_place:
+        _install(optimized)
     return optimized
 
 

@@ -1,4 +1,6 @@
+import copy
 import dataclasses
+import io
 import json
 
 import numpy as np
@@ -7,6 +9,7 @@ import torch
 
 import planner
 from planner.errors import InfeasibleBudgetError, PlannerError
+from planner.parts import PartialCaptureWarning
 from planner.problem import Region, Schedule, simulate
 from planner.timing import Estimate
 from tests.helpers import assert_same_training, training_step
@@ -93,6 +96,69 @@ def test_eval_and_no_grad_run_the_model_as_is(model):
     opt.eval()
     assert torch.equal(opt(X), model(X))
     assert not model.training  # eval() reaches the caller's module
+
+
+def test_in_place_the_model_itself_trains_under_the_plan(model):
+    """``in_place=True``: calling the model runs the plan (bit for bit eager, within budget), as does the
+    returned module, once; outside training the model runs its own forward; new shapes plan through it."""
+    eager = training_step(model, lambda m: _loss(m(X)), (X,))
+    opt = planner.optimize(model, "60%", example_inputs=(X,), loss_fn=_loss, profile_repeats=1, in_place=True)
+    planned = training_step(model, lambda m: _loss(m(X)), (X,))
+    assert_same_training(eager, planned, atol=0)
+    assert opt.plan.regions and planned.peak_bytes <= opt.plan.budget_bytes < eager.peak_bytes
+    assert training_step(opt, lambda m: _loss(m(X)), (X,), owner=model).peak_bytes == planned.peak_bytes
+    assert len(opt._planned) == 1 and "region_" in opt.code
+    with torch.no_grad():
+        assert torch.equal(model(X), type(model).forward(model, X))
+    _loss(model(X[:128])).backward()
+    assert len(opt._planned) == 2 and opt.plan.fingerprint != opt._planned[next(iter(opt._planned))][0].plan.fingerprint
+    assert list(model.state_dict()) == list(Blocks().state_dict())  # nothing of the plan is in the model's state
+    with pytest.raises(PlannerError, match="already runs a plan"):
+        planner.optimize(model, "60%", in_place=True)
+    opt.uninstall()
+    assert "forward" not in vars(model) and "_apply" not in vars(model)
+    with pytest.raises(PlannerError, match="no plan of this module is installed"):
+        opt.uninstall()
+
+
+def test_a_model_planned_in_place_in_parts_runs_its_hooked_parts_eagerly():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(Blocks(), Blocks())
+    model[1].layers[1].register_full_backward_hook(lambda module, grad_in, grad_out: (grad_in[0] * 3,))
+    eager = training_step(model, lambda m: _loss(m(X)), (X,))
+    with pytest.warns(PartialCaptureWarning):
+        opt = planner.optimize(model, "80%", example_inputs=(X,), loss_fn=_loss, profile_repeats=1,
+                               in_place=True)
+    planned = training_step(model, lambda m: _loss(m(X)), (X,))
+    assert_same_training(eager, planned, atol=0)
+    assert any(part.plan.regions for part in opt.parts.values()) and planned.peak_bytes < eager.peak_bytes
+
+
+@pytest.mark.parametrize("in_place", [False, True])
+def test_a_move_drops_the_plans_only_when_it_moves_a_tensor(model, in_place):
+    opt = planner.optimize(model, "60%", example_inputs=(X,), loss_fn=_loss, profile_repeats=1,
+                           in_place=in_place)
+    first = opt.plan
+    (model if in_place else opt).to("cpu")  # where it is: transformers.Trainer does this
+    assert opt.plan is first
+    (model if in_place else opt).double()
+    assert not opt._planned
+    _loss((model if in_place else opt)(X.double())).backward()
+    assert opt.plan.fingerprint != first.fingerprint
+
+
+def test_a_copy_of_a_model_planned_in_place_plans_again_and_trains_alike(model):
+    """``copy.deepcopy`` and ``torch.save`` of the planned model (or module) leave its planned graphs behind,
+    which hold code made at run time; the copy plans again on its first training call."""
+    opt = planner.optimize(model, "60%", example_inputs=(X,), loss_fn=_loss, profile_repeats=1, in_place=True)
+    expected = training_step(model, lambda m: _loss(m(X)), (X,))
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    for copied in (copy.deepcopy(model), torch.load(buffer, weights_only=False)):
+        assert not copied.forward.optimized._planned and copied.forward.optimized.model is copied
+        assert_same_training(expected, training_step(copied, lambda m: _loss(m(X)), (X,)), atol=0)
+        assert copied.forward.optimized.plan.fingerprint == opt.plan.fingerprint
 
 
 def test_plan_then_apply_round_trips_through_json(model):
