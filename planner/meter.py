@@ -2,8 +2,10 @@
 
 :class:`LiveMemoryMeter` is a ``TorchDispatchMode``. Every op output whose storage is new (not shared with an input:
 views are not allocations) is counted until Python frees that storage. It sees what autograd saves, what
-selective checkpointing caches, gradients and temporaries alike, on any device. Storages that existed before the
-meter started (parameters, inputs) are not counted: add them with :func:`storage_bytes`.
+selective checkpointing caches, gradients and temporaries alike, on any device (on the meta device, what the
+tensors would take). Storages that existed before the meter started (parameters, inputs) are not counted: add them
+with :func:`storage_bytes`. A ``FakeTensor`` (what ``torch.export`` traces with, when a planned module captures a
+new input shape inside the meter) holds nothing and is not counted.
 
 >>> import torch
 >>> w = torch.randn(256, 256, requires_grad=True)
@@ -21,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable, Sequence
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -259,7 +262,7 @@ class LiveMemoryMeter(TorchDispatchMode):
         resizable = self._count_resizable()
         inputs = {id(t.untyped_storage()) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
         for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor):
+            if isinstance(t, torch.Tensor) and not isinstance(t, FakeTensor):  # a fake holds nothing (export's)
                 storage = t.untyped_storage()
                 if id(storage) not in inputs and storage.nbytes() > 0:
                     self._track(storage, resizable)

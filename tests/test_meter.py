@@ -112,3 +112,16 @@ def test_a_recorded_sample_holds_what_its_op_held_out_of_sight():
         x, mask = torch.zeros(100), torch.ones(100, dtype=torch.uint8)
         x.mul(mask)
     assert meter.samples[-1].live_bytes == meter.peak_bytes == 400 + 100 + 400 + 400  # x, mask, converted, output
+
+
+def test_fake_tensors_hold_nothing_and_meta_tensors_count_what_they_would_take():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with LiveMemoryMeter() as meter, FakeTensorMode() as fake:
+        big = fake.from_tensor(torch.empty(256, 256)) * 2  # torch.export traces a model so
+        del big
+    assert meter.peak_bytes == 0
+    weight = torch.empty(256, 256, device="meta")
+    with LiveMemoryMeter() as meter:
+        doubled = weight * 2  # how a model on the meta device is profiled
+    assert meter.peak_bytes == 256 * 256 * 4 and doubled.device.type == "meta"
