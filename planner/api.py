@@ -21,6 +21,7 @@ import hashlib
 import inspect
 import itertools
 import os
+import time
 import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator, Sequence
@@ -32,7 +33,7 @@ from .attention import without_unmasking_mask
 from .budget import Budget, format_bytes, parse_budget
 from .compiled import CompiledFit, fit_plans
 from .capture import (CapturedGraph, autocast_state, capture, casts_uncached, input_signature, is_layout_copy,
-                      mutated_nodes, outside_autocast, placed_stage_nodes, plan_key)
+                      mutated_nodes, no_larger_than, outside_autocast, placed_stage_nodes, plan_key)
 from .devices import DeviceSpec, device_spec
 from .meta import device_type_of, target_kernels
 from .timing import AnalyticStopwatch, Estimate, stopwatch_for
@@ -64,6 +65,9 @@ class Planned:
     problem: Problem | None
     plan: Plan
     compiled_module: torch.nn.Module | None = None  # the compiled module the plan was measured with (compile=)
+    # what making it took (None: not known, as for a plan loaded from JSON); for a reused plan, what planning anew
+    # is expected to take
+    planning_seconds: float | None = None
 
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer | None) -> int:
@@ -1019,6 +1023,15 @@ def _swapped_tensors(model: torch.nn.Module, planned: torch.nn.Module) -> dict[s
     return {name: live[name] for name in captured if name in live}
 
 
+def _reused(larger: Planned, captured: CapturedGraph) -> Planned:
+    """``larger``'s plan run on ``captured``, the same graph on inputs no larger: the same regions and options, its
+    predictions upper bounds (``Plan.reused_from`` names the plan they were made for), no profile."""
+    source = larger.plan.reused_from or larger.plan.fingerprint
+    plan = dataclasses.replace(larger.plan, fingerprint=fingerprint(captured), solve_seconds=0.0,
+                               extra=tuple({**dict(larger.plan.extra), "reused_from": source}.items()))
+    return Planned(captured, None, plan, planning_seconds=larger.planning_seconds)
+
+
 def _saved_as_the_models(module: "OptimizedModule", state_dict: dict, prefix: str, local_metadata: dict) -> None:
     """``state_dict`` hook: the planned module saves under the model's own keys (``blocks.0.weight``, not
     ``model.blocks.0.weight``), so a checkpoint saved from either loads into the other, and ``Trainer.save_model``
@@ -1075,12 +1088,15 @@ class OptimizedModule(torch.nn.Module):
     planned in that precision. Outside training (``eval()`` or ``torch.no_grad()``) the model runs as is.
     """
 
-    def __init__(self, model: torch.nn.Module, budget: int | str, *, planner_options: dict):
+    def __init__(self, model: torch.nn.Module, budget: int | str, *, planner_options: dict,
+                 reuse_plans: bool = True):
         super().__init__()
         self.model = model
         self.budget = budget
+        self.reuse_plans = reuse_plans
         self._options = planner_options
         self._planned: dict[tuple, tuple[Planned, torch.nn.Module]] = {}
+        self._reused_calls: dict[tuple, int] = {}  # calls run under each reused plan (see _planning_pays)
         self._last: Planned | None = None
         self._parts: dict[str, OptimizedModule] | None = None  # set when the model captures only in parts
         self.register_state_dict_post_hook(_saved_as_the_models)
@@ -1124,11 +1140,14 @@ class OptimizedModule(torch.nn.Module):
         self._planned[captured.key] = (planned, module)
         self._last = planned
 
-    def _plan_for(self, args: tuple, kwargs: dict) -> None:
+    def _plan_for(self, args: tuple, kwargs: dict, *, replacing: Planned | None = None) -> None:
+        """Plan for these inputs: a plan for larger ones reused, or a new one (``replacing`` a reused plan: for
+        the budget it fit, so that the new one recomputes no more)."""
         with _own_forward(self.model):
-            self._plan_now(args, kwargs)
+            self._plan_now(args, kwargs, replacing)
 
-    def _plan_now(self, args: tuple, kwargs: dict) -> None:
+    def _plan_now(self, args: tuple, kwargs: dict, replacing: Planned | None) -> None:
+        started = time.perf_counter()
         device_type_of(self.model, (args, kwargs))  # one device, or say how to get there
         sharding = fsdp.sharding_of(self.model, self)
         if sharding is not None:
@@ -1140,7 +1159,35 @@ class OptimizedModule(torch.nn.Module):
         except PlannerError as error:
             self._parts = self._plan_parts(args, kwargs, error)
             return
-        self.add_plan(_plan_captured(self.model, captured, self.budget, **self._options))
+        larger = self._larger_plan(captured) if self.reuse_plans and replacing is None else None
+        if larger is not None:
+            self.add_plan(_reused(larger, captured))
+            return
+        budget = self.budget if replacing is None else replacing.plan.budget_bytes
+        planned = _plan_captured(self.model, captured, budget, **self._options)
+        self.add_plan(dataclasses.replace(planned, planning_seconds=time.perf_counter() - started))
+
+    def _planning_pays(self, key: tuple, planned: Planned) -> bool:
+        """Whether a reused plan has been run often enough that planning its inputs anew pays: once its calls have
+        spent on recomputation (at most its predicted recompute time each) what planning takes, as a rent-or-buy
+        rule does, so that a shape met a few times never waits for a plan and one met all the time gets its own
+        (at most twice the time of knowing in advance which it would be)."""
+        if planned.planning_seconds is None:
+            return False
+        self._reused_calls[key] = calls = self._reused_calls.get(key, 0) + 1
+        return calls * planned.plan.predicted_recompute_seconds >= planned.planning_seconds
+
+    def _larger_plan(self, captured: CapturedGraph) -> Planned | None:
+        """Of the plans made for the same graph on inputs at least as large, in the same autocast state, the one
+        for the smallest (:func:`~planner.capture.no_larger_than`); None without any, or with ``compile=`` (a
+        compiled plan is measured for its shapes)."""
+        if self._options.get("compile") is not None:
+            return None
+        graph = captured.graph_module.graph
+        larger = [planned for planned, _ in self._planned.values()
+                  if planned.captured.autocast == captured.autocast and planned.captured.sharding is None
+                  and no_larger_than(graph, planned.captured.graph_module.graph)]
+        return min(larger, key=lambda planned: planned.plan.eager_peak_bytes, default=None)
 
     def _forget_other_shardings(self, sharding: fsdp.Sharding) -> None:
         """Drop plans made before the model was sharded this way: they hold the parameters as they were then (the
@@ -1228,6 +1275,9 @@ class OptimizedModule(torch.nn.Module):
         if key not in self._planned:
             self._plan_for(args, kwargs)
         planned, module = self._planned[key]
+        if planned.plan.reused_from is not None and self._planning_pays(key, planned):
+            self._plan_for(args, kwargs, replacing=planned)
+            planned, module = self._planned[key]
         self._last = planned
         if sharded is not None:  # the graph gathers the units' parameters through FSDP's own hooks
             return module(*args, **kwargs)
@@ -1239,6 +1289,7 @@ class OptimizedModule(torch.nn.Module):
     def _forget_plans(self) -> None:
         for optimized in (self, *(self._parts or {}).values()):
             optimized._planned.clear()
+            optimized._reused_calls.clear()
             optimized._last = None
 
     def uninstall(self) -> None:
@@ -1267,7 +1318,7 @@ class OptimizedModule(torch.nn.Module):
     def __getstate__(self) -> dict:
         """Pickled (``torch.save`` of the module, ``copy.deepcopy``) without its planned graphs, which hold code
         made at run time: the copy plans again on its first training call."""
-        return {**super().__getstate__(), "_planned": {}, "_last": None}
+        return {**super().__getstate__(), "_planned": {}, "_reused_calls": {}, "_last": None}
 
     def __getattr__(self, name: str):
         """Attributes this wrapper lacks read through to the model (``config``, ``loss_type``, ...), as through
@@ -1344,7 +1395,7 @@ def optimize(model: torch.nn.Module, budget: int | str | None, example_inputs: A
              hold_outputs: bool = True, device: str | DeviceSpec | None = None,
              allocator_margin: float | None = None, ddp: bool = False,
              granularity: str | Granularity = Granularity.BLOCK, compile: bool | dict = False,
-             in_place: bool = False) -> OptimizedModule:
+             in_place: bool = False, reuse_plans: bool = True) -> OptimizedModule:
     """Return a module that trains ``model``'s own parameters within ``budget`` with the least recomputation.
 
     Parameters
@@ -1393,6 +1444,12 @@ def optimize(model: torch.nn.Module, budget: int | str | None, example_inputs: A
         then trains under the plan: ``transformers.Trainer`` saves it with ``save_pretrained``, as
         ``accelerate.unwrap_model`` finds the model itself. ``.uninstall()`` on the returned module undoes it.
         Not with FSDP.
+    reuse_plans : a call on inputs no larger than those of a plan already made (a shorter sequence, a smaller last
+        batch) runs that plan, captured for its shapes, without profiling or solving: the same graph with no
+        tensor larger keeps and recomputes the same nodes within the same memory. Its ``Plan.reused_from`` names
+        the plan, whose predictions it keeps as upper bounds. A dynamically padded dataset then plans once for its
+        longest batch (pass it as ``example_inputs``), not once per length. ``False``: plan each new shape anew
+        (the least recomputation for each; each takes a profile). Not with ``compile=``.
 
     Under FSDP2, ``fully_shard`` the blocks and then the model (or the module this returns), before or after this
     call: the plan is made for this rank's share (a sharded model plans again on its first call; without
@@ -1405,7 +1462,7 @@ def optimize(model: torch.nn.Module, budget: int | str | None, example_inputs: A
                    granularity=granularity_of(granularity), compile=_compile_options(compile, device))
     if budget is not None:
         parse_budget(budget)  # fail early on a malformed budget
-    optimized = OptimizedModule(model, budget, planner_options=options)
+    optimized = OptimizedModule(model, budget, planner_options=options, reuse_plans=reuse_plans)
     if example_inputs is not None or example_kwargs:
         optimized._plan_for(_as_args(example_inputs), without_unmasking_mask(model, dict(example_kwargs or {})))
     if in_place:

@@ -217,6 +217,33 @@ def written_inputs(target: Any, args: tuple, kwargs: dict) -> list[Any]:
             for i, a in enumerate(schema.arguments) if a.alias_info is not None and a.alias_info.is_write]
 
 
+def no_larger_than(graph: fx.Graph, other: fx.Graph) -> bool:
+    """Whether ``graph`` is ``other`` run on inputs no larger: the same nodes in the same order (names, ops, targets
+    and the nodes they read), each tensor of the same dtype with at most as many elements. A plan made for
+    ``other`` then runs ``graph`` keeping and recomputing the same nodes, and holds no more memory at any point.
+
+    >>> model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU())
+    >>> short, long = (capture(model, (torch.randn(n, 8),)).graph_module.graph for n in (4, 6))
+    >>> no_larger_than(short, long), no_larger_than(long, short)
+    (True, False)
+    """
+    nodes, others = list(graph.nodes), list(other.nodes)
+    return len(nodes) == len(others) and all(
+        (a.name, a.op, a.target) == (b.name, b.op, b.target)
+        and [x.name for x in a.all_input_nodes] == [x.name for x in b.all_input_nodes]
+        and _no_larger(a.meta.get("val"), b.meta.get("val")) for a, b in zip(nodes, others))
+
+
+def _no_larger(value: Any, other: Any) -> bool:
+    if isinstance(value, torch.Tensor) or isinstance(other, torch.Tensor):
+        return (isinstance(value, torch.Tensor) and isinstance(other, torch.Tensor) and value.dtype == other.dtype
+                and value.numel() <= other.numel())
+    if isinstance(value, (tuple, list)) or isinstance(other, (tuple, list)):
+        return (isinstance(value, (tuple, list)) and isinstance(other, (tuple, list)) and len(value) == len(other)
+                and all(_no_larger(v, o) for v, o in zip(value, other)))
+    return True  # sizes, flags, None: only tensors hold memory
+
+
 def plan_key(signature: tuple, autocast: tuple, sharded: tuple | None = None) -> tuple:
     """The key :class:`CapturedGraph` plans are cached under (see ``CapturedGraph.key``); ``sharded`` is the
     signature of the model's ``fully_shard`` units, None without any."""

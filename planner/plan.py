@@ -230,6 +230,12 @@ class Plan:
     lower_bound_seconds: float | None = None  # proven: no plan within the budget recomputes less (None: unknown)
 
     @property
+    def reused_from(self) -> str | None:
+        """The fingerprint of the plan this one reuses, made for the same graph on larger inputs (see
+        ``planner.optimize(..., reuse_plans=True)``): its peaks and times are that plan's, upper bounds here."""
+        return dict(self.extra).get("reused_from")
+
+    @property
     def planned_budget_bytes(self) -> int | None:
         """The bytes the solver planned against: the budget less the allocator margin.
 
@@ -292,6 +298,8 @@ class Plan:
             f"  eager peak      {format_bytes(self.eager_peak_bytes)}",
             f"  predicted peak  {format_bytes(self.predicted_peak_bytes)}"
             f" ({self.predicted_peak_bytes / max(self.eager_peak_bytes, 1):.0%} of eager)",
+            *([f"  reused          the plan for larger inputs ({self.reused_from}): these peaks and times are "
+               f"upper bounds"] if self.reused_from else []),
             *([f"  compiled peak   {format_bytes(self.compiled_peak_bytes)} (measured under torch.compile("
                f"{dict(self.extra).get('compiled_with', '')}), {dict(self.extra).get('compiled_plans_measured')} "
                f"plan(s) compiled)"]

@@ -327,8 +327,10 @@ def step_timelines(optimized, *, measure: bool = True) -> tuple[StepTimeline, St
     planned = optimized.planned
     plan, problem, captured = planned.plan, planned.problem, planned.captured
     if problem is None:
-        raise PlannerError("this plan was loaded from JSON, so it carries no profile to predict a timeline from",
-                           hint="plan the model with planner.optimize(model, budget, example_inputs)")
+        raise PlannerError("this plan carries no profile to predict a timeline from: it was loaded from JSON, or "
+                           "reuses the plan for larger inputs",
+                           hint="plan the model with planner.optimize(model, budget, example_inputs) for these "
+                                "inputs (reuse_plans=False plans each shape anew)")
     options = getattr(optimized, "_options", {})
     loss_fn, hold_outputs = options.get("loss_fn"), options.get("hold_outputs", True)
     store_all = Schedule.store_all(problem.num_stages)

@@ -77,16 +77,50 @@ def test_optimize_fits_the_budget_and_trains_the_callers_parameters(model):
 
 
 def test_without_example_inputs_it_plans_on_first_call_and_per_signature(model):
-    opt = planner.optimize(model, "70%", loss_fn=_loss, profile_repeats=1)
+    opt = planner.optimize(model, "70%", loss_fn=_loss, profile_repeats=1, reuse_plans=False)
     with pytest.raises(PlannerError, match="no plan yet"):
         opt.plan
     _loss(opt(X)).backward()
     first = opt.plan
     _loss(opt(X[:128])).backward()
-    assert opt.plan is not first and len(opt._planned) == 2
+    assert opt.plan is not first and len(opt._planned) == 2 and opt.plan.reused_from is None
     _loss(opt(X)).backward()
     assert opt.plan is first  # cached per input signature
     assert "region_" in opt.code or not first.regions
+
+
+def test_smaller_inputs_reuse_the_plan_for_larger_ones(model, monkeypatch):
+    """A smaller batch runs the plan made for the larger one, captured for its shape, without profiling: exactly
+    like eager, within the larger plan's predicted peak; its plan says whose it is, saves as JSON and applies.
+    Once its calls have spent on recomputation what planning takes, it gets a plan of its own, for the budget
+    the reused one fit. A larger batch, or ``reuse_plans=False``, plans anew."""
+    opt = planner.optimize(model, "60%", example_inputs=(X,), loss_fn=_loss, profile_repeats=1)
+    first = opt.plan
+    small = X[:160]
+    eager = training_step(model, lambda m: _loss(m(small)), (small,))
+    with monkeypatch.context() as patched:
+        patched.setattr("planner.api._plan_captured", lambda *a, **k: pytest.fail("planned the smaller batch"))
+        reused = training_step(opt, lambda m: _loss(m(small)), (small,), owner=model)
+    assert_same_training(eager, reused, atol=0)
+    plan = opt.plan
+    assert plan.reused_from == first.fingerprint and plan.fingerprint != first.fingerprint
+    assert plan.regions == first.regions and plan.stage_nodes == first.stage_nodes
+    assert reused.peak_bytes <= first.predicted_peak_bytes and "reused" in plan.summary()
+    key = opt.planned.captured.key
+    assert opt._reused_calls[key] == 1 and opt.planned.planning_seconds > 0  # planning X took that long
+    opt._planned[key] = (dataclasses.replace(opt.planned, planning_seconds=0.0), opt._planned[key][1])
+    own = training_step(opt, lambda m: _loss(m(small)), (small,), owner=model)  # planning it anew pays by now
+    assert opt.plan.reused_from is None and opt.plan.budget_bytes == first.budget_bytes  # the budget it fit
+    assert_same_training(eager, own, atol=0)
+    again = planner.apply(model, planner.Plan.from_json(plan.to_json()), (small,))
+    assert again.plan.reused_from == first.fingerprint
+    assert_same_training(eager, training_step(again, lambda m: _loss(m(small)), (small,), owner=model), atol=0)
+    _loss(opt(torch.cat([X, X[:64]]))).backward()
+    assert opt.plan.reused_from is None and len(opt._planned) == 3
+    fresh = planner.optimize(model, "60%", example_inputs=(X,), loss_fn=_loss, profile_repeats=1,
+                             reuse_plans=False)
+    _loss(fresh(small)).backward()
+    assert fresh.plan.reused_from is None
 
 
 def test_eval_and_no_grad_run_the_model_as_is(model):

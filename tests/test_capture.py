@@ -147,3 +147,26 @@ def test_layout_copies_are_named_after_their_input_and_placed_where_another_grap
     # stages from a graph that made no copies: each copy joins the stage of its input, or of its first user
     assert placed_stage_nodes(made, [["mul"], ["transpose"], ["sum_1"]]) == (
         ("x_contiguous", "mul"), ("transpose", "transpose_contiguous"), ("sum_1",))
+
+
+class LongInputsDoubled(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        y = self.linear(x)
+        return y * 2 if x.shape[0] > 4 else y  # another graph past 4 rows
+
+
+def test_a_graph_is_no_larger_than_the_same_graph_on_inputs_at_least_as_large():
+    from planner.capture import no_larger_than
+
+    model = LongInputsDoubled()
+    graphs = {n: capture(model, (torch.randn(n, 8),)).graph_module.graph for n in (2, 3, 6, 8)}
+    assert no_larger_than(graphs[2], graphs[3]) and no_larger_than(graphs[6], graphs[8])
+    assert no_larger_than(graphs[3], graphs[3])
+    assert not no_larger_than(graphs[3], graphs[2])  # a tensor larger
+    assert not no_larger_than(graphs[3], graphs[8])  # the branch: another graph
+    doubled = capture(model.double(), (torch.randn(2, 8, dtype=torch.float64),)).graph_module.graph
+    assert not no_larger_than(doubled, graphs[3])  # same sizes, another dtype

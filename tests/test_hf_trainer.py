@@ -51,6 +51,35 @@ def test_plain_loop_matches_the_model_step_for_step_within_budget(planned):
     assert len(opt._planned) == 1
 
 
+def test_a_shorter_sequence_reuses_the_plan_without_profiling(planned, monkeypatch):
+    """A dynamically padded batch, shorter than the one planned for, runs the same plan captured for its shape:
+    no profile (planning again took 35 s at this size), the same losses as the model, within the plan's peak."""
+    model, opt, ids = planned
+    first = opt.planned
+    monkeypatch.setattr("planner.api._plan_captured", lambda *a, **k: pytest.fail("planned the shorter batch anew"))
+    short = ids[:, :96].contiguous()
+    count = torch.tensor(float(short[:, 1:].numel()))
+    reference = gpt2.build("test").model
+    reference.load_state_dict(model.state_dict())
+    fixed = storage_bytes(list(model.parameters()) + [short, count])
+    torch.manual_seed(0)
+    with LiveMemoryMeter() as meter:
+        out = opt(input_ids=short, labels=short, num_items_in_batch=count)
+        out.loss.backward()
+    torch.manual_seed(0)
+    expected = reference(input_ids=short, labels=short, num_items_in_batch=count).loss
+    expected.backward()
+    reused = opt.plan
+    assert reused.reused_from == first.plan.fingerprint and reused.regions == first.plan.regions
+    assert torch.equal(out.loss, expected)
+    for (name, a), b in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, atol=0, rtol=0, msg=name)
+    assert fixed + meter.peak_bytes <= first.plan.predicted_peak_bytes
+    model.zero_grad(set_to_none=True)
+    del opt._planned[opt.planned.captured.key]  # as the module was for the tests that follow
+    opt._last = first
+
+
 def test_trainer_drives_the_planned_module_without_planning_again(planned, tmp_path):
     model, opt, ids = planned
     reference = gpt2.build("test").model
