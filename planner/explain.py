@@ -204,6 +204,9 @@ def explain(plan: Plan, *, show_nodes: bool = False, show_tensors: bool = False)
     rows = [_stage_row(plan, k, owner[k]) for k in range(len(plan.stage_names))]
     lines = [f"plan by {plan.solver} ({plan.status.value}): {len(plan.recomputed_stage_names)} of "
              f"{len(plan.stage_names)} stages recomputed in {len(plan.regions)} region(s)"]
+    if plan.reused_from:
+        lines.append(f"reusing the plan for larger inputs ({plan.reused_from}): its bytes and times below are upper "
+                     f"bounds for these")
     table = _table(rows, _total_row(plan))
     if show_nodes or show_tensors:
         table = _with_details(table, plan, nodes=show_nodes, tensors=show_tensors)

@@ -86,6 +86,14 @@ def test_explain_marks_missing_numbers_of_plans_without_summaries():
     assert all(row.split()[-3:] == ["?", "?", "?"] for row in rows)
 
 
+def test_explain_says_when_a_plan_reuses_the_plan_for_larger_inputs():
+    plan = _plan(Schedule.uniform(4))
+    assert "reusing" not in explain(plan)
+    reused = dataclasses.replace(plan, extra=(("reused_from", "59701e63a71b44c6"),))
+    assert explain(reused).splitlines()[1] == ("reusing the plan for larger inputs (59701e63a71b44c6): its bytes "
+                                               "and times below are upper bounds for these")
+
+
 def test_explain_is_exported_from_the_package():
     assert planner.explain is explain
 
