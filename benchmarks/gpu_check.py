@@ -269,6 +269,48 @@ def check_compiled(kind: str, size: str, device: str, *, budget: str = "70%", ou
     return found
 
 
+def check_reused(kind: str, size: str, device: str, *, budget: str = "60%", share: float = 0.75,
+                 out: Callable[[str], Any] = print) -> dict[str, Any]:
+    """``kind`` planned at ``budget`` for its sequence length, then stepped on a batch ``share`` as long: the
+    step reuses the plan (``Plan.reused_from``) after only a capture, and its peak (on CUDA through
+    ``max_memory_allocated``) must stay within the plan's. Returns the numbers (bytes, seconds)."""
+    import planner
+    from planner.meter import LiveMemoryMeter, storage_bytes
+
+    torch.manual_seed(0)
+    model, args, kwargs = build(kind, size, device)
+    optimized = planner.optimize(model, budget, example_inputs=args, example_kwargs=kwargs,
+                                 loss_fn=lambda o: o.loss, hold_outputs=False, profile_repeats=1)
+    planned = optimized.plan
+    length = int(args[0].shape[1] * share)
+    short = args[0][:, :length].contiguous()
+    step = step_of(optimized, model, (short,), {"labels": short})
+    on_cuda = torch.device(device).type == "cuda"
+    start = time.perf_counter()
+    step()  # captures the shorter batch and reuses the plan
+    seconds = time.perf_counter() - start
+    fixed = storage_bytes(list(model.parameters()) + list(model.buffers()) + [short])
+    if on_cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        step()
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated()
+    else:
+        with LiveMemoryMeter() as meter:
+            step()
+        peak = fixed + meter.peak_bytes
+    reused, mib = optimized.plan, 2**20
+    found = dict(budget=planned.budget_bytes, predicted=planned.predicted_peak_bytes, measured=peak,
+                 first_step_seconds=seconds, reused=reused.reused_from == planned.fingerprint)
+    out(f"{kind} ({size}) planned at {budget} = {found['budget'] / mib:.1f} MiB for {args[0].shape[1]} tokens "
+        f"(predicted {found['predicted'] / mib:.1f} MiB); {length} tokens "
+        + (f"reused the plan, first step {seconds:.1f} s" if found["reused"] else "planned anew")
+        + f", measured {peak / mib:.1f} MiB: "
+        + ("fits" if found["reused"] and peak <= found["predicted"] else "EXCEEDS the plan's peak"))
+    return found
+
+
 def table(rows: list[Row]) -> str:
     """The rows as a fixed-width table."""
     mib = 2**20
@@ -303,6 +345,8 @@ def main(argv: list[str] | None = None) -> list[Row]:
     parser.add_argument("--out", help="also write the report (Markdown) there")
     parser.add_argument("--compiled", default="gpt2", metavar="MODEL",
                         help="also plan this model at tiny size with compile=True ('' for none)")
+    parser.add_argument("--reused", default="gpt2", metavar="MODEL",
+                        help="also plan this model at tiny size and step a shorter batch on its plan ('' for none)")
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore", category=FutureWarning)
     warnings.filterwarnings("ignore", category=DeprecationWarning)
@@ -328,6 +372,11 @@ def main(argv: list[str] | None = None) -> list[Row]:
             check_compiled(args.compiled, "tiny", args.device, out=say)
         except Exception:
             say(f"{args.compiled} compiled failed:\n{traceback.format_exc()}")
+    if args.reused:
+        try:
+            check_reused(args.reused, "tiny", args.device, out=say)
+        except Exception:
+            say(f"{args.reused} reused failed:\n{traceback.format_exc()}")
     report = [table(rows), verdict(rows), f"total {time.perf_counter() - started:.0f} s"] if rows else \
         ["no model ran", f"total {time.perf_counter() - started:.0f} s"]
     for line in report:

@@ -39,6 +39,8 @@ def test_gpu_check_reports_a_failing_model_and_runs_the_others(tmp_path, capsys)
     assert "meas/pred" in report and "peak within 3%: " in report
     compiled_line = report.split("gpt2 (tiny) compiled at 70%")[1].split("\n")[0]
     assert compiled_line.endswith("fits")
+    reused_line = report.split("gpt2 (tiny) planned at 60%")[1].split("\n")[0]
+    assert "tokens reused the plan" in reused_line and reused_line.endswith("fits")
     assert "nosuch failed:" in capsys.readouterr().out
 
 
