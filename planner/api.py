@@ -34,8 +34,8 @@ from .budget import Budget, format_bytes, parse_budget
 from .compiled import CompiledFit, fit_plans
 from .capture import (CapturedGraph, autocast_state, capture, casts_uncached, input_signature, is_layout_copy,
                       mutated_nodes, no_larger_than, outside_autocast, placed_stage_nodes, plan_key)
-from .devices import DeviceSpec, device_spec
-from .meta import device_type_of, target_kernels
+from .devices import DeviceSpec, device_spec, spec_for_gpu
+from .meta import device_type_of, meta_copy, target_kernels
 from .timing import AnalyticStopwatch, Estimate, stopwatch_for
 from .costmodel import (Granularity, add_checkpoint_overheads, build_problem, calibrate, created_tensors,
                         granularity_of, never_cached, partition_stages, passes_gradient_through, refinement,
@@ -836,6 +836,41 @@ def _check_fits(budget: Budget, budget_bytes: int, device: DeviceSpec | None) ->
                            hint=f"use at most {device.memory_bytes} bytes, or budget=None for all of it")
 
 
+def _pose_within_memory(captured: CapturedGraph, spec: DeviceSpec | None, **options: Any) -> Posed:
+    """:func:`remembered_pose` of ``captured``, profiled where its tensors are; when that runs out of GPU memory
+    (profiling runs the eager step, which a budget below it may not fit), posed again from a meta copy of the
+    graph, timed by the roofline of ``spec`` or of the GPU it is on (:func:`_analytic_spec`): nothing of it runs
+    or allocates, as when planning for a GPU you don't have. A ``UserWarning`` says so."""
+    try:
+        return remembered_pose(captured, device=spec, **options)
+    except torch.OutOfMemoryError as exc:
+        fallback = spec or _analytic_spec(captured)
+        if fallback is None:
+            raise PlannerError(f"profiling ran out of memory ({str(exc).strip().splitlines()[0]})",
+                               hint="plan on the meta device with device='h100' (or a planner.devices.DeviceSpec "
+                                    "of your GPU): nothing then runs") from exc
+    if captured_device_type(captured) == "cuda":  # outside the handler: its traceback no longer holds the step
+        torch.cuda.empty_cache()
+    warnings.warn(f"the eager step ran out of memory while being profiled; planned from a meta copy of the graph "
+                  f"with {fallback.name}'s figures ({fallback.description or fallback.name}, "
+                  f"{format_bytes(fallback.memory_bytes)}) instead: memory from the tensors' sizes, times from the "
+                  f"roofline model", stacklevel=4)
+    module, (args, kwargs) = meta_copy(captured.graph_module, (captured.example_args, captured.example_kwargs))
+    twin = dataclasses.replace(captured, graph_module=module, example_args=args, example_kwargs=kwargs)
+    return remembered_pose(twin, device=fallback, **options)
+
+
+def _analytic_spec(captured: CapturedGraph) -> DeviceSpec | None:
+    """The figures of the GPU ``captured`` runs on (:func:`~planner.devices.spec_for_gpu`), or None: for a CPU,
+    or a GPU the registry does not know."""
+    if captured_device_type(captured) != "cuda":
+        return None
+    gm = captured.graph_module
+    index = next((t.device.index for t in itertools.chain(gm.parameters(), gm.buffers()) if t.is_cuda), None)
+    index = torch.cuda.current_device() if index is None else index
+    return spec_for_gpu(torch.cuda.get_device_name(index), torch.cuda.get_device_properties(index).total_memory)
+
+
 def _plan_captured(model, captured: CapturedGraph, budget, *, loss_fn, optimizer, solver: str, max_stages: int,
                    ddp: bool = False,
                    profile_repeats: int, solver_options: dict | None, hold_outputs: bool = True,
@@ -846,9 +881,10 @@ def _plan_captured(model, captured: CapturedGraph, budget, *, loss_fn, optimizer
     device_type = captured_device_type(captured)
     parsed = device_budget(budget, spec, device_type)
     margin = allocator_margin_for(allocator_margin, spec, device_type)
-    posed = posed or remembered_pose(captured, loss_fn=loss_fn, optimizer=optimizer, ddp=ddp, max_stages=max_stages,
-                                     profile_repeats=profile_repeats, hold_outputs=hold_outputs, device=spec,
-                                     granularity=granularity_of(granularity), compiled=compile is not None)
+    posed = posed or _pose_within_memory(captured, spec, loss_fn=loss_fn, optimizer=optimizer, ddp=ddp,
+                                         max_stages=max_stages, profile_repeats=profile_repeats,
+                                         hold_outputs=hold_outputs, granularity=granularity_of(granularity),
+                                         compiled=compile is not None)
     problem = posed.problem
     eager = simulate(problem, Schedule.store_all(problem.num_stages)).peak_bytes
     budget_bytes = parsed.resolve(eager)

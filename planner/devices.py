@@ -21,6 +21,7 @@ It is torch-free; :mod:`planner.timing` applies it to the ops a training step di
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from dataclasses import dataclass
 
@@ -118,3 +119,21 @@ def device_spec(device: str | DeviceSpec) -> DeviceSpec:
                            hint=f"known devices: {', '.join(sorted(DEVICES))}; or pass a "
                                 f"planner.devices.DeviceSpec with your device's figures")
     return DEVICES[key]
+
+
+def spec_for_gpu(name: str, memory_bytes: int) -> DeviceSpec | None:
+    """The spec of the GPU that ``name`` (as ``torch.cuda.get_device_name`` gives it) names, with the memory the
+    GPU reports (an A100 has 40 or 80 GB); None for a GPU this registry has no figures for.
+
+    >>> spec_for_gpu("NVIDIA A100-SXM4-40GB", 40 * 2**30).name, spec_for_gpu("NVIDIA GeForce RTX 4090", 0).name
+    ('a100', 'rtx4090')
+    >>> spec_for_gpu("NVIDIA H100 80GB HBM3", 85 * 10**9).memory_bytes
+    85000000000
+    >>> spec_for_gpu("NVIDIA L40S", 48 * 2**30) is None  # not an L4
+    True
+    """
+    words = set(name.lower().replace("-", " ").replace("_", " ").split())
+    for key, spec in DEVICES.items():
+        if key in words or key.removeprefix("rtx") in words:
+            return dataclasses.replace(spec, memory_bytes=memory_bytes)
+    return None

@@ -123,6 +123,42 @@ def test_smaller_inputs_reuse_the_plan_for_larger_ones(model, monkeypatch):
     assert fresh.plan.reused_from is None
 
 
+def _profiling_runs_out_of_memory(monkeypatch, gpu):
+    """The profile of anything but meta tensors raises CUDA's out-of-memory error, and the CPU stands for ``gpu``
+    (a spec, or None for a GPU the registry does not know)."""
+    import planner.api as api
+    from planner.devices import device_spec
+
+    real_profile = api.profile_graph
+
+    def profile_or_out_of_memory(captured, **kwargs):
+        if api.captured_device_type(captured) != "meta":
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return real_profile(captured, **kwargs)
+    monkeypatch.setattr(api, "profile_graph", profile_or_out_of_memory)
+    monkeypatch.setattr(api, "_analytic_spec", lambda captured: gpu and device_spec(gpu))
+
+
+def test_a_step_too_large_to_profile_is_planned_from_a_meta_copy(model, monkeypatch):
+    """On a GPU, profiling runs the eager step, which a budget below it may not fit: out of memory, the graph is
+    posed again from a meta copy with the GPU's figures, and the plan trains the real model exactly."""
+    eager = training_step(model, lambda m: _loss(m(X)), (X,))
+    budget = int(eager.peak_bytes * 0.6)
+    _profiling_runs_out_of_memory(monkeypatch, "h100")
+    with pytest.warns(UserWarning, match="ran out of memory while being profiled; planned from a meta copy"):
+        opt = planner.optimize(model, budget, example_inputs=(X,), loss_fn=_loss, hold_outputs=False)
+    assert opt.plan.timing == "analytic:h100" and opt.plan.regions
+    planned = training_step(opt, lambda m: _loss(m(X)), (X,), owner=model)
+    assert_same_training(eager, planned, atol=0)
+    assert planned.peak_bytes == opt.plan.predicted_peak_bytes <= budget  # the meta copy's sizes are the real ones
+
+
+def test_a_step_too_large_to_profile_on_an_unknown_gpu_names_the_way_out(model, monkeypatch):
+    _profiling_runs_out_of_memory(monkeypatch, None)
+    with pytest.raises(PlannerError, match="profiling ran out of memory .*CUDA out of memory.*device='h100'"):
+        planner.optimize(model, "60%", example_inputs=(X,), loss_fn=_loss)
+
+
 def test_eval_and_no_grad_run_the_model_as_is(model):
     opt = planner.optimize(model, "60%", example_inputs=(X,), loss_fn=_loss, profile_repeats=1)
     with torch.no_grad():
