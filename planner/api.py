@@ -1095,8 +1095,9 @@ def _loaded_into_the_model(module: "OptimizedModule", state_dict: dict, prefix: 
 
 
 def _placements(model: torch.nn.Module) -> list[tuple]:
-    """Which tensor each parameter and buffer of ``model`` is, and where it lives."""
-    return [(id(t), t.data_ptr(), t.dtype, t.device) for t in itertools.chain(model.parameters(), model.buffers())]
+    """Which tensor each parameter and buffer of ``model`` is, and its device and dtype (a move that changes
+    neither keeps a parameter's data, and replaces a buffer only by a new tensor)."""
+    return [(id(t), t.dtype, t.device) for t in itertools.chain(model.parameters(), model.buffers())]
 
 
 @contextlib.contextmanager
@@ -1374,7 +1375,6 @@ class OptimizedModule(torch.nn.Module):
             "" if compiled is None else f", compile={compiled or True!r}")
 
 
-
 class _PlannedForward:
     """The ``forward`` that ``optimize(..., in_place=True)`` gives the model itself: a training call with gradients
     on runs the plan, any other call the model's own forward (as do the parts of a model planned in parts, and
@@ -1484,8 +1484,10 @@ def optimize(model: torch.nn.Module, budget: int | str | None, example_inputs: A
         batch) runs that plan, captured for its shapes, without profiling or solving: the same graph with no
         tensor larger keeps and recomputes the same nodes within the same memory. Its ``Plan.reused_from`` names
         the plan, whose predictions it keeps as upper bounds. A dynamically padded dataset then plans once for its
-        longest batch (pass it as ``example_inputs``), not once per length. ``False``: plan each new shape anew
-        (the least recomputation for each; each takes a profile). Not with ``compile=``.
+        longest batch (pass it as ``example_inputs``), not once per length. A shape run under a reused plan gets
+        its own, for the same budget, once its calls have spent on recomputation what planning took.
+        ``False``: plan each new shape anew (the least recomputation for each; each takes a profile). Not with
+        ``compile=``.
 
     Under FSDP2, ``fully_shard`` the blocks and then the model (or the module this returns), before or after this
     call: the plan is made for this rank's share (a sharded model plans again on its first call; without
