@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 import torch
 
-from benchmarks import gpu_check, meta_7b
+from benchmarks import gpu_check, meta_7b, variable_shapes
 from planner import solvers
 from planner.api import planned_module
 from planner.plan import Plan, SolverStatus
@@ -262,3 +262,19 @@ def test_when_no_plan_is_left_below_a_target_the_least_memory_is_tried_and_kept_
                                                        else 1.6)
     first_infeasible = predicted.index(None)
     assert solved[first_infeasible + 1] == least and row.peak_bytes == int(budget * 0.9)
+
+
+def test_variable_shapes_plans_the_longest_batch_once_and_reuses_it():
+    def build():
+        torch.manual_seed(0)
+        return gpu_check.build("gpt2", "tiny", "cpu")[0]
+    ids = torch.randint(0, 128, (4, 256), generator=torch.Generator().manual_seed(0))
+
+    def batch_of(length):
+        cut = ids[:, :length].contiguous()
+        return {"input_ids": cut, "labels": cut}
+    lengths = [256, 192, 128, 192]
+    eager = variable_shapes.run_way("eager", build, batch_of, lengths, "60%")
+    reused = variable_shapes.run_way("planner_reused", build, batch_of, lengths, "60%")
+    assert (reused.plans_made, reused.plans_reused) == (1, 2) and reused.peak_bytes < 0.7 * eager.peak_bytes
+    assert "planner_reused" in variable_shapes.table([eager, reused])
