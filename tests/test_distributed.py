@@ -60,11 +60,14 @@ def _ddp_rank(rank: int, port: int, results: dict) -> None:
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         x = torch.randn(256, 32, generator=torch.Generator().manual_seed(100 + rank))  # each rank its own batch
-        reference, planned_model = _model(), _model()
+        reference, planned_model, in_place = _model(), _model(), _model()
         opt = planner.optimize(planned_model, "60%", example_inputs=(x,), loss_fn=_loss, profile_repeats=1, ddp=True)
+        installed = planner.optimize(in_place, "60%", example_inputs=(x,), loss_fn=_loss, profile_repeats=1,
+                                     ddp=True, in_place=True)
         grads = {}
         peaks = {}
-        for name, module, owner in [("eager", DDP(reference), reference), ("planned", DDP(opt), planned_model)]:
+        for name, module, owner in [("eager", DDP(reference), reference), ("planned", DDP(opt), planned_model),
+                                    ("in_place", DDP(in_place), in_place)]:
             fixed = storage_bytes(list(owner.parameters()) + [x])
             for _ in range(2):  # two steps: DDP's bucket rebuild after the first must not trip on regions
                 owner.zero_grad(set_to_none=True)
@@ -74,6 +77,8 @@ def _ddp_rank(rank: int, port: int, results: dict) -> None:
             grads[name] = {k: p.grad.clone() for k, p in owner.named_parameters()}
         results[rank] = dict(
             equal=all(torch.equal(grads["eager"][k], grads["planned"][k]) for k in grads["eager"]),
+            in_place_equal=all(torch.equal(grads["eager"][k], grads["in_place"][k]) for k in grads["eager"]),
+            in_place_peak=peaks["in_place"], in_place_regions=len(installed.plan.regions),
             synced=_same_on_all_ranks(grads["planned"]),
             peak=peaks["planned"], eager_peak=peaks["eager"], budget=opt.plan.budget_bytes,
             regions=len(opt.plan.regions), gradient_bytes=storage_bytes(list(planned_model.parameters())),
@@ -93,6 +98,8 @@ def test_ddp_trains_the_planned_module_like_the_model_within_the_per_rank_budget
         r = results[rank]
         assert r["regions"] > 0
         assert r["equal"], f"rank {rank}: gradients differ from DDP(model)"
+        # DDP(model) of a model planned in place runs the plan through the model's forward
+        assert r["in_place_equal"] and r["in_place_regions"] > 0 and r["in_place_peak"] == r["peak"], r
         assert r["synced"], f"rank {rank}: gradients were not all-reduced"
         # ddp=True counts the reducer's buckets (one more copy of the gradients) into the per-rank budget
         assert r["buckets"] == r["gradient_bytes"]
