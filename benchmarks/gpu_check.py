@@ -5,6 +5,7 @@
     python -m benchmarks.gpu_check --spec h200        # also the roofline prediction of the eager step on an H200
     python -m benchmarks.gpu_check --out $OUT/GPU.md  # also write the report (machine, table, verdict) there
     python -m benchmarks.gpu_check --compiled ''      # skip the compile=True check (GPT-2 at tiny size)
+    python -m benchmarks.gpu_check --out-of-memory '' # skip planning with the allocator limited below eager
 
 For each model it profiles once where the model runs (CUDA events on a GPU, the wall clock on the CPU), then plans
 for the eager peak, 70%, 50% and uniform checkpointing's peak, leaving ``--margin`` of each budget to the
@@ -311,6 +312,55 @@ def check_reused(kind: str, size: str, device: str, *, budget: str = "60%", shar
     return found
 
 
+def check_out_of_memory(kind: str, size: str, device: str, *, share: float = 0.6, limit: float = 0.8,
+                        out: Callable[[str], Any] = print) -> dict[str, Any] | None:
+    """CUDA only (None elsewhere): with the allocator limited to ``limit`` of ``kind``'s eager step
+    (``torch.cuda.set_per_process_memory_fraction``), planning for ``share`` of it runs out of memory while it
+    profiles the eager step, so it must plan from a meta copy with this GPU's figures (a ``UserWarning``), and the
+    plan's step must fit the budget under the same limit. Returns the numbers (bytes)."""
+    import planner
+
+    if not device.startswith("cuda"):
+        out(f"{kind} ({size}) out-of-memory planning: skipped on {device}")
+        return None
+    torch.manual_seed(0)
+    model, args, kwargs = build(kind, size, device)
+    step = step_of(model, model, args, kwargs)
+    step()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    step()
+    eager = torch.cuda.max_memory_allocated()
+    total = torch.cuda.get_device_properties(torch.device(device)).total_memory
+    budget, mib = int(share * eager), 2**20
+    torch.cuda.empty_cache()
+    torch.cuda.set_per_process_memory_fraction(limit * eager / total, torch.device(device))
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            optimized = planner.optimize(model, budget, example_inputs=args, example_kwargs=kwargs,
+                                         loss_fn=lambda o: o.loss, hold_outputs=False, profile_repeats=1)
+        fell_back = any("ran out of memory while being profiled" in str(w.message) for w in caught)
+        planned = step_of(optimized, model, args, kwargs)
+        planned()
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        planned()
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated()
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0, torch.device(device))
+    plan = optimized.plan
+    found = dict(eager=eager, budget=budget, predicted=plan.predicted_peak_bytes, measured=peak,
+                 fell_back=fell_back, timing=plan.timing)
+    out(f"{kind} ({size}) with the allocator limited to {limit:.0%} of its eager {eager / mib:.1f} MiB, planned "
+        f"for {budget / mib:.1f} MiB: " + ("profiling ran out of memory, planned from a meta copy "
+                                           f"({plan.timing})" if fell_back else f"profiled as is ({plan.timing})")
+        + f"; predicted {plan.predicted_peak_bytes / mib:.1f} MiB, measured {peak / mib:.1f} MiB: "
+        + ("fits" if peak <= budget else "EXCEEDS the budget"))
+    return found
+
+
 def table(rows: list[Row]) -> str:
     """The rows as a fixed-width table."""
     mib = 2**20
@@ -347,6 +397,9 @@ def main(argv: list[str] | None = None) -> list[Row]:
                         help="also plan this model at tiny size with compile=True ('' for none)")
     parser.add_argument("--reused", default="gpt2", metavar="MODEL",
                         help="also plan this model at tiny size and step a shorter batch on its plan ('' for none)")
+    parser.add_argument("--out-of-memory", default="gpt2", metavar="MODEL",
+                        help="on CUDA, also plan this model at --size with the allocator limited below its eager "
+                             "step, which planning must survive ('' for none)")
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore", category=FutureWarning)
     warnings.filterwarnings("ignore", category=DeprecationWarning)
@@ -377,6 +430,14 @@ def main(argv: list[str] | None = None) -> list[Row]:
             check_reused(args.reused, "tiny", args.device, out=say)
         except Exception:
             say(f"{args.reused} reused failed:\n{traceback.format_exc()}")
+    if args.out_of_memory:
+        try:
+            check_out_of_memory(args.out_of_memory, args.size, args.device, out=say)
+        except Exception:
+            say(f"{args.out_of_memory} out-of-memory planning failed:\n{traceback.format_exc()}")
+        finally:
+            if args.device.startswith("cuda"):
+                torch.cuda.empty_cache()
     report = [table(rows), verdict(rows), f"total {time.perf_counter() - started:.0f} s"] if rows else \
         ["no model ran", f"total {time.perf_counter() - started:.0f} s"]
     for line in report:

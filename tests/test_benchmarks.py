@@ -41,6 +41,7 @@ def test_gpu_check_reports_a_failing_model_and_runs_the_others(tmp_path, capsys)
     assert compiled_line.endswith("fits")
     reused_line = report.split("gpt2 (tiny) planned at 60%")[1].split("\n")[0]
     assert "tokens reused the plan" in reused_line and reused_line.endswith("fits")
+    assert "gpt2 (tiny) out-of-memory planning: skipped on cpu" in report  # CUDA only
     assert "nosuch failed:" in capsys.readouterr().out
 
 
