@@ -32,8 +32,8 @@ import torch
 from .attention import without_unmasking_mask
 from .budget import Budget, format_bytes, parse_budget
 from .compiled import CompiledFit, fit_plans
-from .capture import (CapturedGraph, autocast_state, capture, casts_uncached, input_signature, is_layout_copy,
-                      mutated_nodes, no_larger_than, outside_autocast, placed_stage_nodes, plan_key)
+from .capture import (CapturedGraph, autocast_state, capture, casts_uncached, hooks_signature, input_signature,
+                      is_layout_copy, mutated_nodes, no_larger_than, outside_autocast, placed_stage_nodes, plan_key)
 from .devices import DeviceSpec, device_spec, spec_for_gpu
 from .meta import device_type_of, meta_copy, target_kernels
 from .timing import AnalyticStopwatch, Estimate, stopwatch_for
@@ -1134,6 +1134,7 @@ class OptimizedModule(torch.nn.Module):
         self._options = planner_options
         self._planned: dict[tuple, tuple[Planned, torch.nn.Module]] = {}
         self._reused_calls: dict[tuple, int] = {}  # calls run under each reused plan (see _planning_pays)
+        self._modules_listed: tuple[torch.nn.Module, ...] | None = None  # the model's modules, for hooks_signature
         self._last: Planned | None = None
         self._parts: dict[str, OptimizedModule] | None = None  # set when the model captures only in parts
         self.register_state_dict_post_hook(_saved_as_the_models)
@@ -1280,7 +1281,10 @@ class OptimizedModule(torch.nn.Module):
         return parts
 
     def _key(self, args: tuple, kwargs: dict, sharded: tuple | None) -> tuple:
-        return plan_key(input_signature(args, kwargs), autocast_state(), sharded)
+        if self._modules_listed is None:
+            self._modules_listed = tuple(self.model.modules())
+        return plan_key(input_signature(args, kwargs), autocast_state(), sharded,
+                        hooks_signature(self.model, self._modules_listed))
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """When ``fully_shard`` was applied to this module, a missing plan is made before FSDP's own forward hooks
@@ -1306,11 +1310,14 @@ class OptimizedModule(torch.nn.Module):
         if self._parts is not None:
             with parts_planned(self.model, self._parts):
                 return run_model(*args, **kwargs)
-        kwargs = without_unmasking_mask(self.model, kwargs)
+        planned_kwargs = without_unmasking_mask(self.model, kwargs)
         sharded = fsdp.units_signature(self.model, self)
-        key = self._key(args, kwargs, sharded)
+        key = self._key(args, planned_kwargs, sharded)
         if key not in self._planned:
-            self._plan_for(args, kwargs)
+            self._plan_for(args, planned_kwargs)
+            if self._parts is not None:  # it captures only in parts now (a backward hook registered since)
+                return self._run_planned(run_model, args, kwargs)
+        kwargs = planned_kwargs
         planned, module = self._planned[key]
         if planned.plan.reused_from is not None and self._planning_pays(key, planned):
             self._plan_for(args, kwargs, replacing=planned)
@@ -1327,6 +1334,7 @@ class OptimizedModule(torch.nn.Module):
         for optimized in (self, *(self._parts or {}).values()):
             optimized._planned.clear()
             optimized._reused_calls.clear()
+            optimized._modules_listed = None
             optimized._last = None
 
     def uninstall(self) -> None:
@@ -1355,7 +1363,8 @@ class OptimizedModule(torch.nn.Module):
     def __getstate__(self) -> dict:
         """Pickled (``torch.save`` of the module, ``copy.deepcopy``) without its planned graphs, which hold code
         made at run time: the copy plans again on its first training call."""
-        return {**super().__getstate__(), "_planned": {}, "_reused_calls": {}, "_last": None}
+        return {**super().__getstate__(), "_planned": {}, "_reused_calls": {}, "_modules_listed": None,
+                "_last": None}
 
     def __getattr__(self, name: str):
         """Attributes this wrapper lacks read through to the model (``config``, ``loss_type``, ...), as through

@@ -159,6 +159,38 @@ def test_a_step_too_large_to_profile_on_an_unknown_gpu_names_the_way_out(model, 
         planner.optimize(model, "60%", example_inputs=(X,), loss_fn=_loss)
 
 
+def test_a_hook_registered_after_planning_is_captured_by_the_next_call(model):
+    """Plans are cached under the model's hooks too: a forward hook registered after planning is traced by the
+    next call (its tensor ops run in the graph; a ForwardHookWarning says what else will not, as for hooks there
+    at planning), and once it is removed the first plan runs again."""
+    opt = planner.optimize(model, "60%", example_inputs=(X,), loss_fn=_loss, profile_repeats=1)
+    first = opt.planned
+    handle = model.layers[1].register_forward_hook(lambda module, args, output: output * 2)
+    eager = training_step(model, lambda m: _loss(m(X)), (X,))
+    with pytest.warns(planner.capture.ForwardHookWarning, match="'layers.1'"):
+        traced = training_step(opt, lambda m: _loss(m(X)), (X,), owner=model)
+    assert_same_training(eager, traced, atol=0)
+    handle.remove()
+    _loss(opt(X)).backward()
+    assert opt.planned is first and len(opt._planned) == 2
+
+
+def test_a_backward_hook_registered_after_planning_runs_its_module_eagerly():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(Blocks(), Blocks())
+    opt = planner.optimize(model, "80%", example_inputs=(X,), loss_fn=_loss, profile_repeats=1)
+    assert not opt.parts
+    calls = []
+    model[1].layers[1].register_full_backward_hook(lambda module, grad_in, grad_out: calls.append(1))
+    eager = training_step(model, lambda m: _loss(m(X)), (X,))
+    with pytest.warns(PartialCaptureWarning):
+        training_step(opt, lambda m: _loss(m(X)), (X,), owner=model)  # plans the model's parts
+    calls.clear()
+    planned = training_step(opt, lambda m: _loss(m(X)), (X,), owner=model)
+    assert_same_training(eager, planned, atol=0)
+    assert calls == [1] and any(part.plan.regions for part in opt.parts.values())  # the hook ran, once
+
+
 def test_eval_and_no_grad_run_the_model_as_is(model):
     opt = planner.optimize(model, "60%", example_inputs=(X,), loss_fn=_loss, profile_repeats=1)
     with torch.no_grad():
