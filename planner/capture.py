@@ -255,9 +255,9 @@ def plan_key(signature: tuple, autocast: tuple, sharded: tuple | None = None, ho
 
 
 def hooks_signature(model: torch.nn.Module, modules: Sequence[torch.nn.Module] | None = None) -> tuple:
-    """Which hooks ``model``'s modules have, and the global ones, by handle: a graph captured with other hooks does
-    not run these (export traced those, or found none), so plans are cached under it too, and a hook registered
-    after planning makes the next call capture and plan again, seeing it. ``modules``: ``model.modules()``, listed
+    """Which hooks ``model``'s modules have, and the global ones, by the code they run: a graph captured with other
+    hooks does not run these (export traced those, or found none), so plans are cached under it too, and a hook
+    registered after planning makes the next call capture and plan again, seeing it. ``modules``: ``model.modules()``, listed
     before (walking the model takes two thirds of the 60 us this takes for a GPT-2 of 86 modules without it).
 
     >>> model = torch.nn.Linear(2, 2)
@@ -271,10 +271,24 @@ def hooks_signature(model: torch.nn.Module, modules: Sequence[torch.nn.Module] |
     """
     import torch.nn.modules.module as module_globals
     kinds = _FORWARD_HOOKS + _BACKWARD_HOOKS
-    found = tuple(("*", kind, tuple(hooks)) for kind in kinds
-                  if (hooks := getattr(module_globals, f"_global{kind}")))
-    return found + tuple((id(module), kind, tuple(hooks)) for module in modules or model.modules()
-                         for kind in kinds if (hooks := module.__dict__[kind]))
+    found = tuple(("*", kind, codes) for kind in kinds
+                  if (codes := _hook_codes(getattr(module_globals, f"_global{kind}"))))
+    return found + tuple((id(module), kind, codes) for module in modules or model.modules() for kind in kinds
+                         if module.__dict__[kind] and (codes := _hook_codes(module.__dict__[kind])))
+
+
+def _hook_codes(hooks: dict) -> tuple:
+    """What the hooks run: each one's function code (a hook registered anew is the same hook), or its type for a
+    callable object; Hugging Face's ``make_inputs_require_grads`` left out (its checkpointing switched on adds it
+    again each time, and switched off leaves it; its one effect matters only to reentrant checkpoints, which a
+    planned graph does not run)."""
+    codes = []
+    for hook in hooks.values():
+        hook = getattr(hook, "func", hook)  # functools.partial
+        hook = getattr(hook, "__func__", hook)  # a bound method
+        if getattr(hook, "__name__", None) not in _TRACED_HOOKS:
+            codes.append(getattr(hook, "__code__", type(hook)))
+    return tuple(codes)
 
 
 def input_signature(args: tuple, kwargs: dict) -> tuple:

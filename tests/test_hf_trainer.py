@@ -80,6 +80,22 @@ def test_a_shorter_sequence_reuses_the_plan_without_profiling(planned, monkeypat
     opt._last = first
 
 
+def test_switching_hugging_face_checkpointing_on_and_off_keeps_the_plan(planned):
+    """Plans are cached under the model's hooks, and Hugging Face's checkpointing adds its input-grads hook each
+    time it is switched on and leaves it when switched off: that hook is left out, so the plan stays (the demo,
+    which switches it for its comparison, ran its planned steps 2.4x eager's, each capturing again)."""
+    from examples.common import hugging_face_checkpointing
+
+    model, opt, ids = planned
+    first, count = opt.planned, torch.tensor(float(ids[:, 1:].numel()))
+    for _ in range(2):
+        hugging_face_checkpointing(model, True)
+        hugging_face_checkpointing(model, False)
+        opt(input_ids=ids, labels=ids, num_items_in_batch=count).loss.backward()
+    model.zero_grad(set_to_none=True)
+    assert opt.planned is first and len(opt._planned) == 1
+
+
 def test_trainer_drives_the_planned_module_without_planning_again(planned, tmp_path):
     model, opt, ids = planned
     reference = gpt2.build("test").model
