@@ -158,13 +158,16 @@ def _prediction(plan: Plan) -> str:
 
 
 def _the_plan(given: Any) -> Plan:
-    """``given`` if it is a plan, else the plan it holds (the module :func:`planner.optimize` returned)."""
+    """``given`` if it is a plan, else the plan it holds (the module :func:`planner.optimize` returned, or a model
+    planned with ``in_place=True``, whose forward holds that module)."""
     if isinstance(given, Plan):
         return given
-    held = getattr(given, "plan", None)
+    installed = getattr(getattr(given, "forward", None), "optimized", None)
+    held = getattr(given if installed is None else installed, "plan", None)
     if not isinstance(held, Plan):
-        raise PlannerError(f"explain takes a Plan or the module planner.optimize returned, not a "
-                           f"{type(given).__name__}", hint="pass opt.plan, or Plan.from_json(text) for a saved plan")
+        raise PlannerError(f"explain takes a Plan, the module planner.optimize returned or a model planned in "
+                           f"place, not a {type(given).__name__}",
+                           hint="pass opt.plan, or Plan.from_json(text) for a saved plan")
     return held
 
 
@@ -173,8 +176,8 @@ def explain(plan: Plan, *, show_nodes: bool = False, show_tensors: bool = False)
 
     Parameters
     ----------
-    plan : a plan, made by a solver or read with :meth:`Plan.from_json <planner.plan.Plan.from_json>`, or the
-        module :func:`planner.optimize` returned (its last plan).
+    plan : a plan, made by a solver or read with :meth:`Plan.from_json <planner.plan.Plan.from_json>`, the
+        module :func:`planner.optimize` returned (its last plan), or a model it planned with ``in_place=True``.
     show_nodes : also list, under each recomputed stage, the graph nodes whose outputs it caches.
     show_tensors : also list, under each stage, the tensors it makes that eager training holds for the backward
         (or that a region holds as its input), largest first: kept, region input, cached or recomputed, their

@@ -106,6 +106,9 @@ def test_explain_takes_the_module_optimize_returned_and_names_what_it_cannot_exp
     assert explain(opt) == explain(opt.plan)
     with pytest.raises(planner.PlannerError, match="not a Sequential"):
         explain(model)
+    installed = planner.optimize(model, "70%", example_inputs=(torch.randn(128, 16),), profile_repeats=1,
+                                 in_place=True)
+    assert explain(model) == explain(installed.plan)  # a model planned in place
 
 
 @pytest.mark.parametrize("seconds, text", [(0, "0"), (5e-7, "0.5 us"), (0.25, "250.00 ms"), (12.5, "12.50 s")])
