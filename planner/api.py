@@ -1137,6 +1137,7 @@ class OptimizedModule(torch.nn.Module):
         self._modules_listed: tuple[torch.nn.Module, ...] | None = None  # the model's modules, for hooks_signature
         self._last: Planned | None = None
         self._parts: dict[str, OptimizedModule] | None = None  # set when the model captures only in parts
+        self._parts_hooks: tuple = ()  # the model's hooks when it was planned in parts
         self.register_state_dict_post_hook(_saved_as_the_models)
         self.register_load_state_dict_pre_hook(_loaded_into_the_model)
 
@@ -1196,6 +1197,7 @@ class OptimizedModule(torch.nn.Module):
             captured = capture_for(self.model, args, kwargs, self._options.get("device"))
         except PlannerError as error:
             self._parts = self._plan_parts(args, kwargs, error)
+            self._parts_hooks = self._hooks_now()
             return
         larger = self._larger_plan(captured) if self.reuse_plans and replacing is None else None
         if larger is not None:
@@ -1281,10 +1283,12 @@ class OptimizedModule(torch.nn.Module):
         return parts
 
     def _key(self, args: tuple, kwargs: dict, sharded: tuple | None) -> tuple:
+        return plan_key(input_signature(args, kwargs), autocast_state(), sharded, self._hooks_now())
+
+    def _hooks_now(self) -> tuple:
         if self._modules_listed is None:
             self._modules_listed = tuple(self.model.modules())
-        return plan_key(input_signature(args, kwargs), autocast_state(), sharded,
-                        hooks_signature(self.model, self._modules_listed))
+        return hooks_signature(self.model, self._modules_listed)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """When ``fully_shard`` was applied to this module, a missing plan is made before FSDP's own forward hooks
@@ -1307,6 +1311,8 @@ class OptimizedModule(torch.nn.Module):
     def _run_planned(self, run_model: Callable, args: tuple, kwargs: dict) -> Any:
         """One training call under the plan for these inputs (planned now if new); ``run_model`` runs the model
         itself where its parts are planned apart (the model, or its own forward once installed in it)."""
+        if self._parts is not None and self._parts_hooks != self._hooks_now():
+            self._parts = None  # the hooks it was planned in parts with have changed: capture it whole again
         if self._parts is not None:
             with parts_planned(self.model, self._parts):
                 return run_model(*args, **kwargs)

@@ -175,13 +175,14 @@ def test_a_hook_registered_after_planning_is_captured_by_the_next_call(model):
     assert opt.planned is first and len(opt._planned) == 2
 
 
-def test_a_backward_hook_registered_after_planning_runs_its_module_eagerly():
+def test_a_backward_hook_registered_after_planning_runs_its_module_eagerly_until_it_is_removed():
     torch.manual_seed(0)
     model = torch.nn.Sequential(Blocks(), Blocks())
     opt = planner.optimize(model, "80%", example_inputs=(X,), loss_fn=_loss, profile_repeats=1)
     assert not opt.parts
+    first = opt.planned
     calls = []
-    model[1].layers[1].register_full_backward_hook(lambda module, grad_in, grad_out: calls.append(1))
+    handle = model[1].layers[1].register_full_backward_hook(lambda module, grad_in, grad_out: calls.append(1))
     eager = training_step(model, lambda m: _loss(m(X)), (X,))
     with pytest.warns(PartialCaptureWarning):
         training_step(opt, lambda m: _loss(m(X)), (X,), owner=model)  # plans the model's parts
@@ -189,6 +190,9 @@ def test_a_backward_hook_registered_after_planning_runs_its_module_eagerly():
     planned = training_step(opt, lambda m: _loss(m(X)), (X,), owner=model)
     assert_same_training(eager, planned, atol=0)
     assert calls == [1] and any(part.plan.regions for part in opt.parts.values())  # the hook ran, once
+    handle.remove()
+    _loss(opt(X)).backward()
+    assert not opt.parts and opt.planned is first  # whole again, on the first plan
 
 
 def test_eval_and_no_grad_run_the_model_as_is(model):
