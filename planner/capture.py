@@ -257,8 +257,9 @@ def plan_key(signature: tuple, autocast: tuple, sharded: tuple | None = None, ho
 def hooks_signature(model: torch.nn.Module, modules: Sequence[torch.nn.Module] | None = None) -> tuple:
     """Which hooks ``model``'s modules have, and the global ones, by the code they run: a graph captured with other
     hooks does not run these (export traced those, or found none), so plans are cached under it too, and a hook
-    registered after planning makes the next call capture and plan again, seeing it. ``modules``: ``model.modules()``, listed
-    before (walking the model takes two thirds of the 60 us this takes for a GPT-2 of 86 modules without it).
+    registered after planning makes the next call capture and plan again, seeing it. ``modules``:
+    ``model.modules()``, listed before (walking the model takes two thirds of the 60 us this takes for a GPT-2 of
+    86 modules without it).
 
     >>> model = torch.nn.Linear(2, 2)
     >>> before = hooks_signature(model)
