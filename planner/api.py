@@ -35,7 +35,7 @@ from .compiled import CompiledFit, fit_plans
 from .capture import (CapturedGraph, autocast_state, capture, casts_uncached, hooks_signature, input_signature,
                       is_layout_copy, mutated_nodes, no_larger_than, outside_autocast, placed_stage_nodes, plan_key)
 from .devices import DeviceSpec, device_spec, spec_for_gpu
-from .meta import device_type_of, meta_copy, target_kernels
+from .meta import device_type_of, meta_copy, target_kernels, tensors_of
 from .timing import AnalyticStopwatch, Estimate, stopwatch_for
 from .costmodel import (Granularity, add_checkpoint_overheads, build_problem, calibrate, created_tensors,
                         granularity_of, never_cached, partition_stages, passes_gradient_through, refinement,
@@ -865,9 +865,7 @@ def _analytic_spec(captured: CapturedGraph) -> DeviceSpec | None:
     or a GPU the registry does not know."""
     if captured_device_type(captured) != "cuda":
         return None
-    gm = captured.graph_module
-    index = next((t.device.index for t in itertools.chain(gm.parameters(), gm.buffers()) if t.is_cuda), None)
-    index = torch.cuda.current_device() if index is None else index
+    index = tensors_of(captured.graph_module, (captured.example_args, captured.example_kwargs))[0].device.index
     return spec_for_gpu(torch.cuda.get_device_name(index), torch.cuda.get_device_properties(index).total_memory)
 
 
@@ -1345,10 +1343,10 @@ class OptimizedModule(torch.nn.Module):
 
     def uninstall(self) -> None:
         """Undo ``optimize(..., in_place=True)``: the model runs its own forward again."""
-        planned = self.model.__dict__.get("forward")
-        if not isinstance(planned, _PlannedForward) or planned.optimized is not self:
+        if not self._installed():
             raise PlannerError(f"no plan of this module is installed in {type(self.model).__name__}",
                                hint="uninstall() undoes optimize(..., in_place=True)")
+        planned = self.model.__dict__["forward"]
         del self.model.forward, self.model._apply
         if planned.own is not None:
             self.model.forward = planned.own
@@ -1400,12 +1398,17 @@ class _PlannedForward:
         self.own = optimized.model.__dict__.get("forward")  # a forward the instance had already, else None
 
     @property
+    def own_forward(self) -> Callable:
+        """The model's own forward, bound: the instance's, or its class's."""
+        model = self.optimized.model
+        return self.own or type(model).forward.__get__(model)
+
+    @property
     def __signature__(self) -> inspect.Signature:  # the model's (Trainer and export read it)
-        return inspect.signature(self.own or type(self.optimized.model).forward.__get__(self.optimized.model))
+        return inspect.signature(self.own_forward)
 
     def run_own(self, *args: Any, **kwargs: Any) -> Any:
-        model = self.optimized.model
-        return (self.own or type(model).forward.__get__(model))(*args, **kwargs)
+        return self.own_forward(*args, **kwargs)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         model = self.optimized.model

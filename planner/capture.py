@@ -283,13 +283,8 @@ def _hook_codes(hooks: dict) -> tuple:
     callable object; Hugging Face's ``make_inputs_require_grads`` left out (its checkpointing switched on adds it
     again each time, and switched off leaves it; its one effect matters only to reentrant checkpoints, which a
     planned graph does not run)."""
-    codes = []
-    for hook in hooks.values():
-        hook = getattr(hook, "func", hook)  # functools.partial
-        hook = getattr(hook, "__func__", hook)  # a bound method
-        if getattr(hook, "__name__", None) not in _TRACED_HOOKS:
-            codes.append(getattr(hook, "__code__", type(hook)))
-    return tuple(codes)
+    functions = [_hook_function(hook) for hook in hooks.values() if not _traced_whole(hook)]
+    return tuple(getattr(function, "__code__", type(function)) for function in functions)
 
 
 def input_signature(args: tuple, kwargs: dict) -> tuple:
@@ -413,9 +408,20 @@ class ForwardHookWarning(UserWarning):
     (recording outputs, logging) ran once, at capture, and do not run in the planned module."""
 
 
+def _hook_function(hook: Any) -> Any:
+    """The function a hook calls, out of a ``functools.partial`` or a bound method."""
+    hook = getattr(hook, "func", hook)
+    return getattr(hook, "__func__", hook)
+
+
+def _traced_whole(hook: Any) -> bool:
+    """Whether ``hook`` is one whose only effect the graph holds (:data:`_TRACED_HOOKS`)."""
+    return getattr(_hook_function(hook), "__name__", None) in _TRACED_HOOKS
+
+
 def _foreign(hook: Any) -> bool:
     """Whether ``hook`` is the user's: not torch's, the planner's, or one whose only effect the graph holds."""
-    return not is_own_code(hook) and getattr(getattr(hook, "func", hook), "__name__", None) not in _TRACED_HOOKS
+    return not is_own_code(hook) and not _traced_whole(hook)
 
 
 def hooked_modules(model: torch.nn.Module, kinds: Sequence[str] = _BACKWARD_HOOKS) -> list[str]:
