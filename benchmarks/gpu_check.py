@@ -140,7 +140,7 @@ def measure(step: Callable[[], None], fixed: list[torch.Tensor], on_cuda: bool,
             repeats: int, out: Callable[[str], Any] = print) -> tuple[int, int | None, float]:
     """Peak bytes of one ``step()`` (with ``fixed`` tensors), what the allocator reserved, and its time; on CUDA,
     ``out`` gets a warning when more than ``fixed`` is allocated before the step (:func:`held_warning`)."""
-    from planner.meter import LiveMemoryMeter, storage_bytes
+    from planner.meter import storage_bytes
     from planner.timing import CudaStopwatch, WallStopwatch
 
     step()  # warm-up: kernels chosen, allocator pools made
@@ -149,14 +149,8 @@ def measure(step: Callable[[], None], fixed: list[torch.Tensor], on_cuda: bool,
         warning = held_warning(torch.cuda.memory_allocated(), storage_bytes(fixed))
         if warning is not None:
             out(warning)
-        torch.cuda.reset_peak_memory_stats()
-        step()
-        torch.cuda.synchronize()
-        peak, reserved = torch.cuda.max_memory_allocated(), torch.cuda.memory_reserved()
-    else:
-        with LiveMemoryMeter() as meter:
-            step()
-        peak, reserved = storage_bytes(fixed) + meter.peak_bytes, None
+    peak = peak_of(step, fixed, on_cuda)
+    reserved = torch.cuda.memory_reserved() if on_cuda else None
     watch = CudaStopwatch() if on_cuda else WallStopwatch()
     samples = []
     for _ in range(repeats):
@@ -164,6 +158,20 @@ def measure(step: Callable[[], None], fixed: list[torch.Tensor], on_cuda: bool,
         step()
         samples.append(watch.seconds(start, watch.stamp()))
     return peak, reserved, watch.combine(samples)
+
+
+def peak_of(step: Callable[[], None], fixed: list[torch.Tensor], on_cuda: bool) -> int:
+    """Peak bytes of one ``step()``: on CUDA all the allocator held (``max_memory_allocated``, parameters
+    included), elsewhere what the live-storage meter counts beside the ``fixed`` tensors."""
+    from planner.meter import measure_step_peak
+
+    if not on_cuda:
+        return measure_step_peak(step, fixed)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    step()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated()
 
 
 def held_warning(allocated: int, fixed_bytes: int) -> str | None:
@@ -276,7 +284,6 @@ def check_reused(kind: str, size: str, device: str, *, budget: str = "60%", shar
     step reuses the plan (``Plan.reused_from``) after only a capture, and its peak (on CUDA through
     ``max_memory_allocated``) must stay within the plan's. Returns the numbers (bytes, seconds)."""
     import planner
-    from planner.meter import LiveMemoryMeter, storage_bytes
 
     torch.manual_seed(0)
     model, args, kwargs = build(kind, size, device)
@@ -286,21 +293,11 @@ def check_reused(kind: str, size: str, device: str, *, budget: str = "60%", shar
     length = int(args[0].shape[1] * share)
     short = args[0][:, :length].contiguous()
     step = step_of(optimized, model, (short,), {"labels": short})
-    on_cuda = torch.device(device).type == "cuda"
     start = time.perf_counter()
     step()  # captures the shorter batch and reuses the plan
     seconds = time.perf_counter() - start
-    fixed = storage_bytes(list(model.parameters()) + list(model.buffers()) + [short])
-    if on_cuda:
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        step()
-        torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated()
-    else:
-        with LiveMemoryMeter() as meter:
-            step()
-        peak = fixed + meter.peak_bytes
+    peak = peak_of(step, list(model.parameters()) + list(model.buffers()) + [short],
+                   torch.device(device).type == "cuda")
     reused, mib = optimized.plan, 2**20
     found = dict(budget=planned.budget_bytes, predicted=planned.predicted_peak_bytes, measured=peak,
                  first_step_seconds=seconds, reused=reused.reused_from == planned.fingerprint)
@@ -327,10 +324,7 @@ def check_out_of_memory(kind: str, size: str, device: str, *, share: float = 0.6
     model, args, kwargs = build(kind, size, device)
     step = step_of(model, model, args, kwargs)
     step()
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    step()
-    eager = torch.cuda.max_memory_allocated()
+    eager = peak_of(step, [], True)
     total = torch.cuda.get_device_properties(torch.device(device)).total_memory
     budget, mib = int(share * eager), 2**20
     torch.cuda.empty_cache()
@@ -343,11 +337,7 @@ def check_out_of_memory(kind: str, size: str, device: str, *, share: float = 0.6
         fell_back = any("ran out of memory while being profiled" in str(w.message) for w in caught)
         planned = step_of(optimized, model, args, kwargs)
         planned()
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        planned()
-        torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated()
+        peak = peak_of(planned, [], True)
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0, torch.device(device))
     plan = optimized.plan

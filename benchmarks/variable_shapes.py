@@ -21,7 +21,7 @@ import torch
 
 import planner
 from planner.budget import format_bytes
-from planner.meter import LiveMemoryMeter, storage_bytes
+from planner.meter import measure_step_peak
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,12 +51,9 @@ def _peak(module: torch.nn.Module, model: torch.nn.Module, batch_of: Batch, leng
     peaks = []
     for length in sorted(set(lengths)):
         batch = batch_of(length)
-        fixed = storage_bytes(list(model.parameters()) + list(model.buffers())
-                              + [t for t in batch.values() if isinstance(t, torch.Tensor)])
-        with LiveMemoryMeter() as meter:
-            module(**batch).loss.backward()
+        peaks.append(measure_step_peak(lambda: module(**batch).loss.backward(), model.parameters(), model.buffers(),
+                                       [t for t in batch.values() if isinstance(t, torch.Tensor)]))
         model.zero_grad(set_to_none=True)
-        peaks.append(fixed + meter.peak_bytes)
     return max(peaks)
 
 
