@@ -79,6 +79,7 @@ def _ddp_rank(rank: int, port: int, results: dict) -> None:
             equal=all(torch.equal(grads["eager"][k], grads["planned"][k]) for k in grads["eager"]),
             in_place_equal=all(torch.equal(grads["eager"][k], grads["in_place"][k]) for k in grads["eager"]),
             in_place_peak=peaks["in_place"], in_place_regions=len(installed.plan.regions),
+            in_place_budget=installed.plan.budget_bytes,
             synced=_same_on_all_ranks(grads["planned"]),
             peak=peaks["planned"], eager_peak=peaks["eager"], budget=opt.plan.budget_bytes,
             regions=len(opt.plan.regions), gradient_bytes=storage_bytes(list(planned_model.parameters())),
@@ -98,8 +99,10 @@ def test_ddp_trains_the_planned_module_like_the_model_within_the_per_rank_budget
         r = results[rank]
         assert r["regions"] > 0
         assert r["equal"], f"rank {rank}: gradients differ from DDP(model)"
-        # DDP(model) of a model planned in place runs the plan through the model's forward
-        assert r["in_place_equal"] and r["in_place_regions"] > 0 and r["in_place_peak"] == r["peak"], r
+        # DDP(model) of a model planned in place runs the plan through the model's forward: within its budget,
+        # below eager's peak (its plan is profiled apart, so it need not be the planned module's)
+        assert r["in_place_equal"] and r["in_place_regions"] > 0, r
+        assert r["in_place_peak"] <= r["in_place_budget"] < r["eager_peak"], r
         assert r["synced"], f"rank {rank}: gradients were not all-reduced"
         # ddp=True counts the reducer's buckets (one more copy of the gradients) into the per-rank budget
         assert r["buckets"] == r["gradient_bytes"]
