@@ -19,7 +19,9 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import io
 import operator
+import sys
 import warnings
 from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
@@ -499,6 +501,29 @@ def _check_gradients_kept(model: torch.nn.Module, hooks: list[Any]) -> None:
              "a custom autograd.Function")
 
 
+@contextlib.contextmanager
+def _partial_graph_unprinted() -> Iterator[None]:
+    """What Python writes to ``sys.stderr`` inside, written there after it, but for the partial graph that
+    ``torch.export`` prints when it fails on data-dependent control flow: the whole traced forward, a line per op
+    (1,500 lines for a 3-layer DeBERTa), twice, and again for each part tried when the model is then planned in
+    parts.
+    The error that follows says what failed, and keeps the graph (``__cause__.partial_fx_graph``).
+
+    >>> with _partial_graph_unprinted():
+    ...     print("kept", file=sys.stderr)
+    """
+    written = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(written):
+            yield
+    except BaseException as exc:
+        graph = getattr(exc, "partial_fx_graph", None)
+        text = written.getvalue()
+        sys.stderr.write(text.replace(f"{graph}\n", "") if graph is not None else text)
+        raise
+    sys.stderr.write(written.getvalue())
+
+
 def capture(model: torch.nn.Module, example_args: tuple, example_kwargs: dict | None = None, *,
             replay_dropout: bool = True) -> CapturedGraph:
     """Export ``model`` for training and return its unlifted graph module.
@@ -530,7 +555,7 @@ def capture(model: torch.nn.Module, example_args: tuple, example_kwargs: dict | 
     was_training = model.training
     try:
         with _cache_dropped(model, kwargs), functions_kept_whole(), reentrant_checkpoints_traced(), \
-                _tensor_hooks_recorded() as tensor_hooks:
+                _tensor_hooks_recorded() as tensor_hooks, _partial_graph_unprinted():
             exported = torch.export.export(model, args, kwargs, strict=False)
     except Exception as exc:  # export raises many types; all mean the same to the user
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__

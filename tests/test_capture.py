@@ -1,3 +1,4 @@
+import sys
 import warnings
 
 import pytest
@@ -65,6 +66,25 @@ def test_errors_name_the_cause_and_a_fix():
     assert "Hint:" in str(info.value)
     with pytest.raises(PlannerError, match="could not capture"):
         capture(torch.nn.Linear(2, 2), (torch.randn(3, 5),))  # wrong input width
+
+
+class SaysThenBranches(Branchy):
+    def forward(self, x, scale: float = 1.0):
+        print("said in forward", file=sys.stderr)
+        return super().forward(x, scale)
+
+
+def test_a_failed_capture_leaves_stderr_to_the_model_not_to_exports_partial_graph(capsys):
+    """torch.export prints the whole forward traced so far to stderr, twice, when it stops at data-dependent
+    control flow; a model planned in parts after such a failure printed it again for each part tried."""
+    with pytest.raises(PlannerError, match="could not capture SaysThenBranches") as info:
+        capture(SaysThenBranches(), (torch.randn(2, 4),))
+    err = capsys.readouterr().err
+    assert "said in forward" in err and "def forward" not in err
+    assert "def forward" in info.value.__cause__.partial_fx_graph  # kept with the error
+    capture(SaysThenBranches().lin, (torch.randn(2, 4),))
+    print("after", file=sys.stderr)
+    assert capsys.readouterr().err == "after\n"
 
 
 class HookedInForward(torch.nn.Module):
