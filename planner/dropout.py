@@ -261,7 +261,8 @@ def _intel_with_mkl() -> bool:
 def _measured_draw_buffer_bytes() -> int:
     from .meter import allocator_peak_bytes  # the meter imports this module
     mask = torch.empty(4096, dtype=torch.bool)
-    return allocator_peak_bytes(lambda: mask.bernoulli_(0.5)) // mask.numel()
+    draws = torch.Generator()  # its own: measured inside a step, a draw from the default one moved its dropouts
+    return allocator_peak_bytes(lambda: mask.bernoulli_(0.5, generator=draws)) // mask.numel()
 
 
 def draw_buffer_bytes() -> int:
