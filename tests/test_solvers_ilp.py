@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import pathlib
 import random
+import subprocess
+import sys
 
 import pytest
 
@@ -174,6 +177,44 @@ def test_the_warm_start_is_a_cutoff_and_an_optimal_start_is_proven(monkeypatch, 
         assert plan.status == SolverStatus.OPTIMAL and plan.gap == 0.0
         assert plan.predicted_recompute_seconds == pytest.approx(best)
     assert from_best.schedule == from_uniform.schedule
+
+
+@pytest.mark.parametrize("problem", [random_chain(5, 7), random_dag(5, 3)], ids=lambda p: p.name)
+def test_highs_takes_the_warm_start_as_its_objective_bound_and_proves_an_optimal_start(monkeypatch, problem):
+    """HiGHS, the solver where ``highspy`` imports (a dependency), gets the warm schedule's objective as
+    ``objective_bound``: started from the optimum it finds nothing below, and the start is the plan, proven."""
+    import pulp
+    import planner.solvers.ilp as ilp
+
+    assert ilp._has_highs()
+    bounds: list[float | None] = []
+
+    class Recording(pulp.HiGHS):
+        def actualSolve(self, lp, **kwargs):
+            bounds.append(self.optionsDict.get("objective_bound"))
+            return super().actualSolve(lp, **kwargs)
+
+    monkeypatch.setattr(pulp, "HiGHS", Recording)
+    eager = simulate(problem, Schedule()).peak_bytes
+    budget = (eager + simulate(problem, Schedule.uniform(problem.num_stages)).peak_bytes) // 2
+    best = brute_force_best(brute_force_table(problem), budget)
+    from_uniform = solve_ilp(problem, budget, warm=Schedule.uniform(problem.num_stages))
+    from_best = solve_ilp(problem, budget, warm=from_uniform.schedule)
+    assert len(bounds) == 2 and all(isinstance(b, float) for b in bounds) and bounds[1] < bounds[0]
+    for plan in (from_uniform, from_best):
+        assert plan.status == SolverStatus.OPTIMAL and plan.gap == 0.0
+        assert plan.predicted_recompute_seconds == pytest.approx(best)
+    assert from_best.schedule == from_uniform.schedule
+
+
+def test_highs_prints_nothing():
+    """Each process's first HiGHS model prints a two-line banner to standard output, before any option could stop
+    it: a fresh process plans and prints only its own line."""
+    script = ("from planner.solvers.ilp import min_peak_ilp; from tests.solver_problems import random_dag; "
+              "print(min_peak_ilp(random_dag(4, 1)).status.value)")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True,
+                          cwd=pathlib.Path(__file__).parent.parent)
+    assert done.stdout == "optimal\n"
 
 
 def test_cbc_log_bound_parsing():
