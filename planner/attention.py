@@ -16,9 +16,10 @@ float) or lets every query see every key, calls the kernel with ``is_causal`` or
 that built the mask go. The graph is captured for fixed shapes (plans are keyed by them), so the mask is the same
 in every step. :func:`group_repeated_heads` then hands an unmasked call without dropout its key and value heads
 uncopied with ``enable_gqa``, where the kernel that will run takes them so (:func:`kernel_shares_heads`).
-:func:`restore_attention` runs both; :func:`planner.capture.capture` calls it. A mask given as an input stays, but
-for a Hugging Face model an ``attention_mask`` of ones means no mask, and :func:`without_unmasking_mask` drops it
-before planning and before each training call (:mod:`planner.api`).
+:func:`restore_attention` runs both, on models that hold a Hugging Face model (others build such a mask eagerly
+too, and the kernel sums otherwise without it); :func:`planner.capture.capture` calls it. A mask given as an input
+stays, but for a Hugging Face model an ``attention_mask`` of ones means no mask, and :func:`without_unmasking_mask`
+drops it before planning and before each training call (:mod:`planner.api`).
 
 >>> import torch
 >>> class Causal(torch.nn.Module):
@@ -331,9 +332,27 @@ def group_repeated_heads(graph_module: fx.GraphModule) -> int:
     return _finished(graph_module, changed, copies)
 
 
-def restore_attention(graph_module: fx.GraphModule) -> int:
-    """:func:`drop_constant_masks`, then :func:`group_repeated_heads`; returns how many calls changed."""
+def restore_attention(graph_module: fx.GraphModule, model: torch.nn.Module) -> int:
+    """:func:`drop_constant_masks`, then :func:`group_repeated_heads`, where ``model`` holds a Hugging Face model
+    (:func:`holds_hugging_face`); returns how many calls changed.
+
+    Only Hugging Face's code builds a mask because it is being exported: other code builds the same mask eagerly,
+    and the kernel sums otherwise with ``is_causal`` than with the mask (a causal mask built in forward, handed
+    back as the flag, trained 1e-9 apart), so its graph keeps the call as written.
+    """
+    if not holds_hugging_face(model):
+        return 0
     return drop_constant_masks(graph_module) + group_repeated_heads(graph_module)
+
+
+def holds_hugging_face(model: torch.nn.Module) -> bool:
+    """Whether ``model`` is or holds a ``transformers`` model (a PEFT wrapper, a head around ``AutoModel``).
+
+    >>> holds_hugging_face(torch.nn.Sequential(torch.nn.Linear(2, 2)))
+    False
+    """
+    transformers = sys.modules.get("transformers")
+    return transformers is not None and any(isinstance(m, transformers.PreTrainedModel) for m in model.modules())
 
 
 def without_unmasking_mask(model: torch.nn.Module, kwargs: dict[str, Any]) -> dict[str, Any]:

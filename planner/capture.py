@@ -533,9 +533,9 @@ def capture(model: torch.nn.Module, example_args: tuple, example_kwargs: dict | 
     ``device=``) capture without it, as the model will run there.
 
     A Hugging Face model in training is captured with ``use_cache=False`` unless told otherwise
-    (:func:`drops_cache`), and attention masks that are constants of the example shapes go back to the kernel as
-    ``is_causal`` or no mask, and repeated key/value heads as ``enable_gqa``, as the model runs them
-    (:func:`planner.attention.restore_attention`).
+    (:func:`drops_cache`), and in a model that holds one, attention masks that are constants of the example shapes
+    go back to the kernel as ``is_causal`` or no mask, and repeated key/value heads as ``enable_gqa``, as the model
+    runs them eagerly (:func:`planner.attention.restore_attention`).
 
     Raises :class:`PlannerError` naming the cause when the model does not capture or the inputs do not fit it, and
     when the graph would not train as the model does: the model has backward hooks (:func:`hooked_modules`), or its
@@ -568,7 +568,7 @@ def capture(model: torch.nn.Module, example_args: tuple, example_kwargs: dict | 
         model.train(was_training)
     _check_gradients_kept(model, tensor_hooks)
     graph_module, autocast = exported.module(), autocast_state()
-    restore_attention(graph_module)  # is_causal and enable_gqa where the model passes them, not a mask and copies
+    restore_attention(graph_module, model)  # is_causal and enable_gqa where Hugging Face passes them eagerly
     if replay_dropout and not autocast:  # under autocast the attention's math path casts its inputs: one op
         replayable_dropout(graph_module)
     name_layout_copies(graph_module)

@@ -68,6 +68,19 @@ def test_a_constant_causal_or_see_everything_mask_becomes_the_kernel_flag_and_co
     torch.testing.assert_close(graph_module(x), model(x), rtol=0, atol=1e-6)
 
 
+@pytest.mark.parametrize("make_mask", [_causal, _everything])
+def test_a_model_of_plain_pytorch_keeps_the_mask_it_builds_and_trains_as_eager_bit_for_bit(make_mask):
+    """Only Hugging Face builds its mask because it is exported; other code builds it eagerly too, and the kernel
+    sums otherwise without it (handed back as ``is_causal``, this model trained 1e-9 apart)."""
+    model, x = MaskedAttention(make_mask), torch.randn(2, 2, 16, 8)
+    captured = capture(model, (x,))
+    (call,) = attention_calls(captured.graph_module)
+    assert call["attn_mask"] is not None and not call["is_causal"]
+    graph_grads = torch.autograd.grad(captured.graph_module(x).square().sum(), list(model.parameters()))
+    eager_grads = torch.autograd.grad(model(x).square().sum(), list(model.parameters()))
+    assert all(torch.equal(a, b) for a, b in zip(graph_grads, eager_grads))
+
+
 def test_masks_that_are_not_constant_or_say_something_else_stay():
     x = torch.randn(2, 2, 16, 8)
     for make_mask in (_window, _padding, _drawn):
@@ -277,7 +290,8 @@ def test_hugging_face_grouped_query_attention_saves_each_head_once_and_trains_bi
         loss.backward()
         model.zero_grad()
         return held
-    monkeypatch.setattr(planner.capture, "restore_attention", drop_constant_masks)  # the heads stay copied
+    monkeypatch.setattr(planner.capture, "restore_attention",  # the heads stay copied
+                        lambda graph_module, model: drop_constant_masks(graph_module))
     with_copies = capture(model, (ids,), {"labels": ids})
     assert held_for_backward(with_copies) - held_for_backward(captured) == 2 * 2 * (4 * 2 * 64 * 8 * 4)
 
