@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 import torch
 
-from benchmarks import gpu_check, meta_7b, variable_shapes
+from benchmarks import compat, gpu_check, meta_7b, variable_shapes
 from planner import solvers
 from planner.api import planned_module
 from planner.plan import Plan, SolverStatus
@@ -279,3 +279,26 @@ def test_variable_shapes_plans_the_longest_batch_once_and_reuses_it():
     reused = variable_shapes.run_way("planner_reused", build, batch_of, lengths, "60%")
     assert (reused.plans_made, reused.plans_reused) == (1, 2) and reused.peak_bytes < 0.7 * eager.peak_bytes
     assert "planner_reused" in variable_shapes.table([eager, reused])
+
+
+def test_compat_plans_at_the_smallest_peak_and_compares_with_eager_and_the_graph(capsys):
+    """A model checked: it fits the smallest peak, predicted to the byte, and trains like eager; a model that
+    fails to build is a row of the report, and the others still run."""
+    compat.CASES["broken"] = compat.Case("torch", lambda: 1 / 0, dict)
+    try:
+        rows = compat.main(["audio_convs", "broken"])
+    finally:
+        del compat.CASES["broken"]
+    convs, broken = rows
+    assert not convs.parts and convs.regions and convs.measured_bytes <= convs.budget_bytes < convs.eager_bytes
+    assert convs.predicted_bytes == convs.measured_bytes and convs.from_eager == convs.from_graph == 0
+    assert broken.error == "ZeroDivisionError: division by zero"
+    out = capsys.readouterr().out
+    assert "| audio_convs | torch | whole" in out and "1 of 2 planned; 1 fit their budget" in out
+
+
+def test_compat_distance_tells_bit_for_bit_from_apart():
+    step = compat.Step(torch.tensor(1.0), {"w": torch.ones(2)}, {"b": torch.zeros(1)}, 0)
+    nudged = dataclasses.replace(step, grads={"w": torch.tensor([1.0, 1.0 + 2 ** -20])})
+    assert compat.distance(step, step) == 0 and compat.distance(step, nudged) == 2 ** -20
+    assert compat.distance(step, dataclasses.replace(step, grads={})) == float("inf")
