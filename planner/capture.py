@@ -506,8 +506,7 @@ def _partial_graph_unprinted() -> Iterator[None]:
     """What Python writes to ``sys.stderr`` inside, written there after it, but for the partial graph that
     ``torch.export`` prints when it fails on data-dependent control flow: the whole traced forward, a line per op
     (1,500 lines for a 3-layer DeBERTa), twice, and again for each part tried when the model is then planned in
-    parts.
-    The error that follows says what failed, and keeps the graph (``__cause__.partial_fx_graph``).
+    parts. The error that follows says what failed, and keeps the graph (``__cause__.partial_fx_graph``).
 
     >>> with _partial_graph_unprinted():
     ...     print("kept", file=sys.stderr)

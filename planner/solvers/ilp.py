@@ -704,9 +704,11 @@ def _run(model: pulp.LpProblem, time_limit: float, gap: float,
     by the run; planned at half its eager peak (``solve``, the DP then the ILP), optimal in 16 s, where CBC's plan
     at the 60 s limit recomputed 4% more, 26% from its bound. On that problem and three random DAGs of 20-40
     stages, least peak and two budgets each, the ILP alone took 81 s in all against CBC's 253 s (1.4-8x faster
-    each, the same optima; 2-core Intel, 2026-12-07). Each takes the known schedule as this cutoff, not as a MIP start: given some
-    starts, CBC's "reduced search" ran 64 s past a 30 s limit (GPT-2 at GPU size, uniform checkpointing's budget),
-    and the cutoff prunes as well (HiGHS: ``objective_bound``).
+    each, the same optima; 2-core AMD EPYC, 2026-12-07).
+
+    Each solver takes the known schedule as this cutoff (HiGHS: ``objective_bound``), not as a MIP start: given
+    some starts, CBC's "reduced search" ran 64 s past a 30 s limit (GPT-2 at GPU size, uniform checkpointing's
+    budget), and the cutoff prunes as well.
     """
     threads = min(os.cpu_count() or 1, 8)
     if _has_highs():
@@ -783,7 +785,7 @@ def _solve_model(encoding: Encoding, time_limit: float, gap: float, warm: Schedu
     if not found:
         return _Outcome(None, False, None, False)
     objective = pulp.value(encoding.model.objective) or 0.0
-    if cutoff is not None and objective > cutoff:  # never, as both solvers take the cutoff
+    if cutoff is not None and objective > cutoff:  # a guard: both solvers search below the cutoff
         return _Outcome(warm, False, _relative_gap(cutoff, bound), False)
     optimal = solution == pulp.LpSolutionOptimal and gap == 0.0  # proven, with no tolerance asked for
     relative = _relative_gap(objective, bound)
