@@ -20,6 +20,7 @@ import contextlib
 import functools
 import inspect
 import io
+import logging
 import operator
 import sys
 import warnings
@@ -501,17 +502,28 @@ def _check_gradients_kept(model: torch.nn.Module, hooks: list[Any]) -> None:
              "a custom autograd.Function")
 
 
-@contextlib.contextmanager
-def _partial_graph_unprinted() -> Iterator[None]:
-    """What Python writes to ``sys.stderr`` inside, written there after it, but for the partial graph that
-    ``torch.export`` prints when it fails on data-dependent control flow: the whole traced forward, a line per op
-    (1,500 lines for a 3-layer DeBERTa), twice, and again for each part tried when the model is then planned in
-    parts. The error that follows says what failed, and keeps the graph (``__cause__.partial_fx_graph``).
+class _NoUserCodeFilter(logging.Filter):
+    """Drops the warning that ``torch.export`` found no user code for an unbacked symbol, which it logs while
+    wording the error of a data-dependent guard."""
 
-    >>> with _partial_graph_unprinted():
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("Unable to find user code")
+
+
+@contextlib.contextmanager
+def _export_failure_unprinted() -> Iterator[None]:
+    """What Python writes to ``sys.stderr`` inside, written there after it, but for what ``torch.export`` prints
+    when it fails on data-dependent control flow: the partial graph, the whole traced forward a line per op (1,500
+    lines for a 3-layer DeBERTa), twice, and a warning that it found no user code for the symbol; again for each
+    part tried when the model is then planned in parts. The error that follows says what failed, and keeps the
+    graph (``__cause__.partial_fx_graph``).
+
+    >>> with _export_failure_unprinted():
     ...     print("kept", file=sys.stderr)
     """
-    written = io.StringIO()
+    written, quiet = io.StringIO(), _NoUserCodeFilter()
+    shapes_log = logging.getLogger("torch.fx.experimental.symbolic_shapes")
+    shapes_log.addFilter(quiet)
     try:
         with contextlib.redirect_stderr(written):
             yield
@@ -520,6 +532,8 @@ def _partial_graph_unprinted() -> Iterator[None]:
         text = written.getvalue()
         sys.stderr.write(text.replace(f"{graph}\n", "") if graph is not None else text)
         raise
+    finally:
+        shapes_log.removeFilter(quiet)
     sys.stderr.write(written.getvalue())
 
 
@@ -554,7 +568,7 @@ def capture(model: torch.nn.Module, example_args: tuple, example_kwargs: dict | 
     was_training = model.training
     try:
         with _cache_dropped(model, kwargs), functions_kept_whole(), reentrant_checkpoints_traced(), \
-                _tensor_hooks_recorded() as tensor_hooks, _partial_graph_unprinted():
+                _tensor_hooks_recorded() as tensor_hooks, _export_failure_unprinted():
             exported = torch.export.export(model, args, kwargs, strict=False)
     except Exception as exc:  # export raises many types; all mean the same to the user
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__

@@ -74,13 +74,15 @@ class SaysThenBranches(Branchy):
         return super().forward(x, scale)
 
 
-def test_a_failed_capture_leaves_stderr_to_the_model_not_to_exports_partial_graph(capsys):
+def test_a_failed_capture_leaves_stderr_to_the_model_not_to_exports_partial_graph(capsys, caplog):
     """torch.export prints the whole forward traced so far to stderr, twice, when it stops at data-dependent
-    control flow; a model planned in parts after such a failure printed it again for each part tried."""
+    control flow, and logs that it found no user code for the symbol; a model planned in parts after such a failure
+    printed both again for each part tried."""
     with pytest.raises(PlannerError, match="could not capture SaysThenBranches") as info:
         capture(SaysThenBranches(), (torch.randn(2, 4),))
     err = capsys.readouterr().err
     assert "said in forward" in err and "def forward" not in err
+    assert not [r for r in caplog.records if "user code" in r.getMessage()]
     assert "def forward" in info.value.__cause__.partial_fx_graph  # kept with the error
     capture(SaysThenBranches().lin, (torch.randn(2, 4),))
     print("after", file=sys.stderr)
