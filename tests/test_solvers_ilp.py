@@ -149,6 +149,20 @@ def test_a_crashing_solver_leaves_the_warm_start(monkeypatch):
     assert plan.status == SolverStatus.FEASIBLE and plan.gap is None
 
 
+def _check_optimal_from_uniform_and_from_the_optimum(problem):
+    """The ILP's plans halfway between uniform checkpointing's peak and eager's, started from uniform checkpointing,
+    then from the plan that gave, are both the brute-force optimum, proven."""
+    eager = simulate(problem, Schedule()).peak_bytes
+    budget = (eager + simulate(problem, Schedule.uniform(problem.num_stages)).peak_bytes) // 2
+    best = brute_force_best(brute_force_table(problem), budget)
+    from_uniform = solve_ilp(problem, budget, warm=Schedule.uniform(problem.num_stages))
+    from_best = solve_ilp(problem, budget, warm=from_uniform.schedule)
+    for plan in (from_uniform, from_best):
+        assert plan.status == SolverStatus.OPTIMAL and plan.gap == 0.0
+        assert plan.predicted_recompute_seconds == pytest.approx(best)
+    assert from_best.schedule == from_uniform.schedule
+
+
 @pytest.mark.parametrize("problem", [random_chain(5, 7), random_dag(5, 3)], ids=lambda p: p.name)
 def test_the_warm_start_is_a_cutoff_and_an_optimal_start_is_proven(monkeypatch, problem):
     """CBC gets the warm schedule as an objective cutoff, not a MIP start (whose "reduced search" overran a 30 s
@@ -166,17 +180,9 @@ def test_the_warm_start_is_a_cutoff_and_an_optimal_start_is_proven(monkeypatch, 
             return super().actualSolve(lp, **kwargs)
 
     monkeypatch.setattr(pulp, "PULP_CBC_CMD", Recording)
-    eager = simulate(problem, Schedule()).peak_bytes
-    budget = (eager + simulate(problem, Schedule.uniform(problem.num_stages)).peak_bytes) // 2
-    best = brute_force_best(brute_force_table(problem), budget)
-    from_uniform = solve_ilp(problem, budget, warm=Schedule.uniform(problem.num_stages))
-    from_best = solve_ilp(problem, budget, warm=from_uniform.schedule)
+    _check_optimal_from_uniform_and_from_the_optimum(problem)
     assert [start for start, _ in calls] == [False, False]
     assert all(len(options) == 1 and options[0].startswith("cutoff ") for _, options in calls)
-    for plan in (from_uniform, from_best):
-        assert plan.status == SolverStatus.OPTIMAL and plan.gap == 0.0
-        assert plan.predicted_recompute_seconds == pytest.approx(best)
-    assert from_best.schedule == from_uniform.schedule
 
 
 @pytest.mark.parametrize("problem", [random_chain(5, 7), random_dag(5, 3)], ids=lambda p: p.name)
@@ -195,16 +201,8 @@ def test_highs_takes_the_warm_start_as_its_objective_bound_and_proves_an_optimal
             return super().actualSolve(lp, **kwargs)
 
     monkeypatch.setattr(pulp, "HiGHS", Recording)
-    eager = simulate(problem, Schedule()).peak_bytes
-    budget = (eager + simulate(problem, Schedule.uniform(problem.num_stages)).peak_bytes) // 2
-    best = brute_force_best(brute_force_table(problem), budget)
-    from_uniform = solve_ilp(problem, budget, warm=Schedule.uniform(problem.num_stages))
-    from_best = solve_ilp(problem, budget, warm=from_uniform.schedule)
+    _check_optimal_from_uniform_and_from_the_optimum(problem)
     assert len(bounds) == 2 and all(isinstance(b, float) for b in bounds) and bounds[1] < bounds[0]
-    for plan in (from_uniform, from_best):
-        assert plan.status == SolverStatus.OPTIMAL and plan.gap == 0.0
-        assert plan.predicted_recompute_seconds == pytest.approx(best)
-    assert from_best.schedule == from_uniform.schedule
 
 
 def test_highs_prints_nothing():
