@@ -1,6 +1,7 @@
 """Which architectures plan, fit and train exactly: one plan each at the smallest peak any plan reaches.
 
-    python -m benchmarks.compat [--threads 1] [--calibration-seconds 1] [--out benchmarks/COMPAT.md] [names...]
+    python -m benchmarks.compat [--threads 1] [--calibration-seconds 1] [--autocast none|bf16|fp16]
+                                [--out benchmarks/COMPAT.md] [names...]
 
 Each model is built small from its config (Hugging Face ``transformers``, random weights) or written here in plain
 PyTorch (LSTM, ``nn.TransformerEncoder``, a GroupNorm U-Net, message passing, ...), in training mode with its
@@ -19,11 +20,19 @@ plan still reproduces the graph:
   does), whose gradients are the graph's bit for bit.
 * Falcon: it always builds its causal mask (``allow_is_causal_skip=False``), and capture hands the kernel
   ``is_causal=True`` instead of the constant mask (:mod:`planner.attention`); the CPU kernel sums in another order.
+
+Under ``--autocast``, the planned module runs with autocast's cache of weight casts off
+(:func:`planner.capture.casts_uncached`), so a weight read more than once a step is cast at each read, where eager
+casts it once: its gradient is summed in another order (ALBERT's shared layer, a GRU's weights at every time step),
+and lies apart from eager's, which this report runs with the cache on, as a user's loop does (the captured graph
+runs without it, as the planned module does). Eager run without the cache
+(``torch.autocast(..., cache_enabled=False)``) trains like the plan bit for bit.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import sys
 import time
@@ -35,6 +44,7 @@ import torch.nn as nn
 
 import planner.api
 from benchmarks.run import machine
+from planner.capture import casts_uncached
 from planner.meter import measure_step_peak
 
 
@@ -287,6 +297,9 @@ CASES: dict[str, Case] = {
 }
 
 
+_AUTOCAST = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
 @dataclasses.dataclass(frozen=True)
 class Step:
     """One measured training step: loss, gradients and buffers after it, and its peak (live storages, with the
@@ -310,7 +323,7 @@ def measured_step(run: Callable[[], Any], model: nn.Module, inputs: dict[str, An
 
     def step() -> None:
         loss = _loss(run())
-        loss.backward()
+        loss.backward()  # outside autocast, as PyTorch recommends
         losses.append(loss.detach())
     torch.manual_seed(0)
     peak = measure_step_peak(step, model.parameters(), model.buffers(),
@@ -350,29 +363,50 @@ class Row:
     error: str | None = None
 
 
-def check(name: str) -> Row:
-    """Plan ``CASES[name]`` at its smallest peak, measure a step, compare it with eager and with the graph."""
+class EagerFailed(Exception):
+    """The model's own step fails, unplanned (a model that does not run under autocast): nothing to plan."""
+
+
+def _autocast(dtype: torch.dtype | None) -> contextlib.AbstractContextManager:
+    return torch.autocast("cpu", dtype=dtype) if dtype is not None else contextlib.nullcontext()
+
+
+def check(name: str, autocast: torch.dtype | None = None) -> Row:
+    """Plan ``CASES[name]`` at its smallest peak, measure a step, compare it with eager and with the graph; with
+    ``autocast``, every forward (and the planning) runs under ``torch.autocast("cpu", dtype=autocast)``."""
     case = CASES[name]
     torch.manual_seed(0)
     model = case.build().train()
     inputs = case.inputs()
-    eager = measured_step(lambda: model(**inputs), model, inputs)
+
+    def forward(call: Callable[[], Any]) -> Callable[[], Any]:
+        def run() -> Any:
+            with _autocast(autocast):
+                return call()
+        return run
+    try:
+        eager = measured_step(forward(lambda: model(**inputs)), model, inputs)
+    except Exception as exc:
+        raise EagerFailed(f"{type(exc).__name__}: {exc}") from exc
     options = dict(example_kwargs=inputs, profile_repeats=1, hold_outputs=False, loss_fn=_loss)
     started = time.perf_counter()
-    try:
-        planner.optimize(model, 1, **options)
-        raise AssertionError("a one-byte budget was found feasible")
-    except planner.InfeasibleBudgetError as error:
-        budget = error.minimum_budget_bytes
-    optimized = planner.optimize(model, budget, **options)
+    with _autocast(autocast):
+        try:
+            planner.optimize(model, 1, **options)
+            raise AssertionError("a one-byte budget was found feasible")
+        except planner.InfeasibleBudgetError as error:
+            budget = error.minimum_budget_bytes
+        optimized = planner.optimize(model, budget, **options)
     seconds = time.perf_counter() - started
-    planned = measured_step(lambda: optimized(**inputs), model, inputs)
+    planned = measured_step(forward(lambda: optimized(**inputs)), model, inputs)
     if optimized.parts:
         return Row(name, case.family, True, None, eager.peak_bytes, budget, planned.peak_bytes, None,
                    distance(eager, planned), None, seconds)
     captured = optimized.planned.captured
-    graph = measured_step(lambda: captured.graph_module(*captured.example_args, **captured.example_kwargs), model,
-                          inputs)
+    def run_graph() -> Any:
+        with casts_uncached():  # as the planned module runs it
+            return captured.graph_module(*captured.example_args, **captured.example_kwargs)
+    graph = measured_step(forward(run_graph), model, inputs)
     return Row(name, case.family, False, len(optimized.plan.regions), eager.peak_bytes, budget, planned.peak_bytes,
                optimized.plan.predicted_peak_bytes, distance(eager, planned), distance(graph, planned), seconds)
 
@@ -418,6 +452,8 @@ def main(argv: list[str] | None = None) -> list[Row]:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--calibration-seconds", type=float, default=1.0,
                         help="the most seconds each group of calibration steps is timed (the planner's default: 30)")
+    parser.add_argument("--autocast", choices=sorted(_AUTOCAST), default="none",
+                        help="run every forward, and the planning, under torch.autocast('cpu', dtype=...)")
     parser.add_argument("--out", help="also write the report to this Markdown file")
     args = parser.parse_args(argv)
     unknown = [n for n in args.names if n not in CASES]
@@ -429,12 +465,13 @@ def main(argv: list[str] | None = None) -> list[Row]:
     planner.api.CALIBRATION_SECONDS = args.calibration_seconds
     try:
         for name in args.names or list(CASES):
-            rows.append(_checked(name))
+            rows.append(_checked(name, _AUTOCAST[args.autocast]))
             print(table(rows[-1:]).splitlines()[-1], file=sys.stderr, flush=True)
     finally:
         planner.api.CALIBRATION_SECONDS = calibration
     command = " ".join(["python -m benchmarks.compat", *(argv if argv is not None else sys.argv[1:])])
-    report = (f"# Architectures at their smallest peak\n\nMachine: {machine()}. Command: `{command}`.\n\n"
+    precision = "" if args.autocast == "none" else f", under autocast ({args.autocast})"
+    report = (f"# Architectures at their smallest peak{precision}\n\nMachine: {machine()}. Command: `{command}`.\n\n"
               f"{table(rows)}\n\n{summary(rows)}\n")
     print(report)
     if args.out:
@@ -443,16 +480,17 @@ def main(argv: list[str] | None = None) -> list[Row]:
     return rows
 
 
-def _checked(name: str) -> Row:
+def _checked(name: str, autocast: torch.dtype | None) -> Row:
     """:func:`check`, or a row naming what failed."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
-            return check(name)
+            return check(name, autocast)
         except Exception as exc:  # a model that fails is a row of the report, not the end of it
             text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+            what = f"eager step failed, {text}" if isinstance(exc, EagerFailed) else f"{type(exc).__name__}: {text}"
             return Row(name, CASES[name].family, False, None, 0, 0, 0, None, float("nan"), None, 0.0,
-                       error=f"{type(exc).__name__}: {text}"[:200])
+                       error=what[:200])
 
 
 if __name__ == "__main__":

@@ -302,3 +302,11 @@ def test_compat_distance_tells_bit_for_bit_from_apart():
     nudged = dataclasses.replace(step, grads={"w": torch.tensor([1.0, 1.0 + 2 ** -20])})
     assert compat.distance(step, step) == 0 and compat.distance(step, nudged) == 2 ** -20
     assert compat.distance(step, dataclasses.replace(step, grads={})) == float("inf")
+
+
+def test_compat_under_autocast_plans_in_that_precision_and_matches_the_graph(capsys):
+    (full,) = compat.main(["embedding_bag"])
+    (half,) = compat.main(["embedding_bag", "--autocast", "bf16"])
+    assert half.error is None and half.measured_bytes <= half.budget_bytes and half.from_graph == 0
+    assert half.eager_bytes < full.eager_bytes  # its activations in bfloat16
+    assert "# Architectures at their smallest peak, under autocast (bf16)" in capsys.readouterr().out
