@@ -153,7 +153,7 @@ FAULTS_OF_A_FOURTH_STEP = textwrap.dedent("""
     def step():  # a peak of 64 MiB, freed at the end
         x = torch.ones(16 * 2**20)
         del x
-    for _ in range(3):
+    for _ in range(5):
         step()
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     step()
@@ -164,8 +164,9 @@ FAULTS_OF_A_FOURTH_STEP = textwrap.dedent("""
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc")
 def test_kept_freed_memory_spares_later_steps_their_page_faults():
     """With malloc's defaults every 64 MiB step hands its memory back and faults all of it in again (16,384 pages
-    of 4 KiB); kept, the heap has grown to the step's peak within two steps (placement decides), and later steps
-    reuse it."""
+    of 4 KiB); kept, the heap has grown to the step's peak within a few steps (placement decides: two or three
+    alone, four with the thread HiGHS starts when PuLP imports it, so the fourth step faulted in 4 of 10 runs), and
+    later steps reuse it: the sixth faulted in none of 10."""
     def faults(heap):
         done = subprocess.run([sys.executable, "-c", FAULTS_OF_A_FOURTH_STEP, heap], capture_output=True, text=True,
                               check=True)
