@@ -17,7 +17,7 @@ that built the mask go. The graph is captured for fixed shapes (plans are keyed 
 in every step. :func:`group_repeated_heads` then hands an unmasked call without dropout its key and value heads
 uncopied with ``enable_gqa``, where the kernel that will run takes them so (:func:`kernel_shares_heads`).
 :func:`restore_attention` runs both, on models that hold a Hugging Face model (others build such a mask eagerly
-too, and the kernel sums otherwise without it); :func:`planner.capture.capture` calls it. A mask given as an input
+too, and the kernel may sum in another order without it); :func:`planner.capture.capture` calls it. A mask given as an input
 stays, but for a Hugging Face model an ``attention_mask`` of ones means no mask, and :func:`without_unmasking_mask`
 drops it before planning and before each training call (:mod:`planner.api`).
 
@@ -337,8 +337,8 @@ def restore_attention(graph_module: fx.GraphModule, model: torch.nn.Module) -> i
     (:func:`holds_hugging_face`); returns how many calls changed.
 
     Only Hugging Face's code builds a mask because it is being exported: other code builds the same mask eagerly,
-    and the kernel sums otherwise with ``is_causal`` than with the mask (a causal mask built in forward, handed
-    back as the flag, trained 1e-9 apart), so its graph keeps the call as written.
+    and the kernel may sum in another order with ``is_causal`` than with the mask (Falcon, which builds its mask
+    eagerly too, trains 7.5e-9 apart from eager once handed the flag), so its graph keeps the call as written.
     """
     if not holds_hugging_face(model):
         return 0

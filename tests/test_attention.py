@@ -71,7 +71,8 @@ def test_a_constant_causal_or_see_everything_mask_becomes_the_kernel_flag_and_co
 @pytest.mark.parametrize("make_mask", [_causal, _everything])
 def test_a_model_of_plain_pytorch_keeps_the_mask_it_builds_and_trains_as_eager_bit_for_bit(make_mask):
     """Only Hugging Face builds its mask because it is exported; other code builds it eagerly too, and the kernel
-    sums otherwise without it (handed back as ``is_causal``, this model trained 1e-9 apart)."""
+    may sum in another order without it (Falcon, whose code builds its mask eagerly, trains 7.5e-9 apart from eager
+    once handed ``is_causal``; at this size the two agree), so the call stays as written."""
     model, x = MaskedAttention(make_mask), torch.randn(2, 2, 16, 8)
     captured = capture(model, (x,))
     (call,) = attention_calls(captured.graph_module)

@@ -145,7 +145,7 @@ def test_estimate_is_clearly_above_or_below_only_beyond_two_standard_errors():
     assert Estimate.of([1.0, 2.0]).standard_error == float("inf")
 
 
-FAULTS_OF_A_FOURTH_STEP = textwrap.dedent("""
+FAULTS_OF_A_SIXTH_STEP = textwrap.dedent("""
     import resource, sys, torch
     from planner.timing import keep_freed_memory
     if sys.argv[1] == "kept":
@@ -168,7 +168,7 @@ def test_kept_freed_memory_spares_later_steps_their_page_faults():
     alone, four with the thread HiGHS starts when PuLP imports it, so the fourth step faulted in 4 of 10 runs), and
     later steps reuse it: the sixth faulted in none of 10."""
     def faults(heap):
-        done = subprocess.run([sys.executable, "-c", FAULTS_OF_A_FOURTH_STEP, heap], capture_output=True, text=True,
+        done = subprocess.run([sys.executable, "-c", FAULTS_OF_A_SIXTH_STEP, heap], capture_output=True, text=True,
                               check=True)
         return int(done.stdout.split()[-1])
 
