@@ -349,6 +349,10 @@ def distance(a: Step, b: Step) -> float:
 
 @dataclasses.dataclass(frozen=True)
 class Row:
+    """One model of the report: how it was captured and planned, its peaks (bytes), and how far its planned step
+    lies from eager's and from its graph's (:func:`distance`; None where planned in parts); ``error`` when it could
+    not be checked."""
+
     name: str
     family: str
     parts: bool
@@ -403,6 +407,7 @@ def check(name: str, autocast: torch.dtype | None = None) -> Row:
         return Row(name, case.family, True, None, eager.peak_bytes, budget, planned.peak_bytes, None,
                    distance(eager, planned), None, seconds)
     captured = optimized.planned.captured
+
     def run_graph() -> Any:
         with casts_uncached():  # as the planned module runs it
             return captured.graph_module(*captured.example_args, **captured.example_kwargs)
@@ -459,15 +464,16 @@ def main(argv: list[str] | None = None) -> list[Row]:
     unknown = [n for n in args.names if n not in CASES]
     if unknown:
         parser.error(f"unknown models {unknown}; choose from {', '.join(CASES)}")
-    torch.set_num_threads(args.threads)
     rows = []
-    calibration = planner.api.CALIBRATION_SECONDS
+    threads, calibration = torch.get_num_threads(), planner.api.CALIBRATION_SECONDS
+    torch.set_num_threads(args.threads)
     planner.api.CALIBRATION_SECONDS = args.calibration_seconds
     try:
         for name in args.names or list(CASES):
             rows.append(_checked(name, _AUTOCAST[args.autocast]))
             print(table(rows[-1:]).splitlines()[-1], file=sys.stderr, flush=True)
     finally:
+        torch.set_num_threads(threads)
         planner.api.CALIBRATION_SECONDS = calibration
     command = " ".join(["python -m benchmarks.compat", *(argv if argv is not None else sys.argv[1:])])
     precision = "" if args.autocast == "none" else f", under autocast ({args.autocast})"
