@@ -29,7 +29,7 @@ from typing import Any, Iterator, Sequence
 
 import torch
 import torch.fx as fx
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .dropout import replayable_dropout
 from .errors import PlannerError
@@ -537,6 +537,31 @@ def _export_failure_unprinted() -> Iterator[None]:
     sys.stderr.write(written.getvalue())
 
 
+def unaliased(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """``args`` and ``kwargs`` with each tensor that is given again (the same object, as in ``model(input_ids=ids,
+    labels=ids)``) copied after its first place. ``torch.export`` reads one input for both, so the graph it made
+    from ``labels=ids`` embedded ``labels``: called later with labels of their own (-100 where padded), the planned
+    GPT-2 or Qwen2 indexed its embedding with them and raised, and labels that were valid ids would have trained
+    on the wrong tokens. Exported from copies, the graph reads each input where the model does.
+
+    >>> ids = torch.arange(3)
+    >>> (x,), kw = unaliased((ids,), {"labels": ids})
+    >>> x is ids, kw["labels"] is ids, torch.equal(kw["labels"], ids)
+    (True, False, True)
+    """
+    leaves, spec = tree_flatten((args, kwargs))
+    seen: set[int] = set()
+    copied = []
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            if id(leaf) in seen:
+                leaf = leaf.detach().clone().requires_grad_(leaf.requires_grad)
+            else:
+                seen.add(id(leaf))
+        copied.append(leaf)
+    return tree_unflatten(copied, spec)
+
+
 def capture(model: torch.nn.Module, example_args: tuple, example_kwargs: dict | None = None, *,
             replay_dropout: bool = True) -> CapturedGraph:
     """Export ``model`` for training and return its unlifted graph module.
@@ -569,7 +594,7 @@ def capture(model: torch.nn.Module, example_args: tuple, example_kwargs: dict | 
     try:
         with _cache_dropped(model, kwargs), functions_kept_whole(), reentrant_checkpoints_traced(), \
                 _tensor_hooks_recorded() as tensor_hooks, _export_failure_unprinted():
-            exported = torch.export.export(model, args, kwargs, strict=False)
+            exported = torch.export.export(model, *unaliased(args, kwargs), strict=False)
     except Exception as exc:  # export raises many types; all mean the same to the user
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise PlannerError(

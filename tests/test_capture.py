@@ -89,6 +89,26 @@ def test_a_failed_capture_leaves_stderr_to_the_model_not_to_exports_partial_grap
     assert capsys.readouterr().err == "after\n"
 
 
+class Shifted(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x, target):
+        return (self.lin(x) - target).square().mean()
+
+
+def test_an_input_given_twice_is_captured_as_two_inputs():
+    """``model(input_ids=ids, labels=ids)``: export read one input for both, and the graph ran on whichever it
+    kept when the next call gave two different tensors."""
+    x, other = torch.randn(3, 4), torch.randn(3, 4)
+    model = Shifted()
+    captured = capture(model, (x, x))
+    assert len([n for n in captured.graph_module.graph.nodes if n.op == "placeholder" and n.users]) == 2
+    assert torch.equal(captured.graph_module(x, other), model(x, other))
+    assert torch.equal(captured.graph_module(x, x), model(x, x))
+
+
 class HookedInForward(torch.nn.Module):
     def __init__(self):
         super().__init__()

@@ -695,3 +695,20 @@ def test_more_families_fit_their_smallest_peak_as_predicted_and_train_as_eager(n
         torch.set_num_threads(threads)
     assert not row.parts and row.regions and row.measured_bytes == row.predicted_bytes <= row.budget_bytes
     assert row.from_eager == row.from_graph == 0
+
+
+def test_a_plan_made_with_labels_given_as_the_inputs_trains_on_labels_of_their_own():
+    """Planned from ``input_ids=ids, labels=ids`` (the same tensor), then called with labels masked to -100 where a
+    collator pads: the graph once embedded the labels (export kept one input for both) and raised; now it trains as
+    eager does, bit for bit, on the same plan."""
+    build, kwargs = ARCHITECTURES["mistral_gqa"]
+    model = build()
+    assert kwargs["labels"] is kwargs["input_ids"]
+    opt = planner.optimize(model, "80%", example_kwargs=kwargs, profile_repeats=1)
+    labels = kwargs["input_ids"].clone()
+    labels[:, :16] = -100
+    padded = {"input_ids": kwargs["input_ids"], "labels": labels}
+    run = lambda m: m(**padded).loss  # noqa: E731
+    eager = training_step(model, lambda m: m(**padded, use_cache=False).loss, list(padded.values()))
+    assert_same_training(eager, training_step(opt, run, list(padded.values()), owner=model), atol=0)
+    assert len(opt._planned) == 1
