@@ -37,7 +37,7 @@ import dataclasses
 import sys
 import time
 import warnings
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import torch
 import torch.nn as nn
@@ -315,8 +315,10 @@ def _loss(output: Any) -> torch.Tensor:
     return output if isinstance(output, torch.Tensor) else output["loss"]
 
 
-def measured_step(run: Callable[[], Any], model: nn.Module, inputs: dict[str, Any]) -> Step:
-    """``run()``'s loss, backward, under the meter, from seed 0; the model's buffers are put back after."""
+def measured_step(run: Callable[[], Any], model: nn.Module, inputs: Iterable[Any], *, seed: int = 0) -> Step:
+    """``run()``'s loss (the output, or its ``loss``), backward, under the meter, from ``seed``; the peak counts
+    ``model``'s parameters and buffers and the tensors among ``inputs``, the gradients and buffers are ``model``'s,
+    and its buffers are put back after (``tests/helpers.training_step`` measures the tests' steps with it)."""
     before = {name: b.detach().clone() for name, b in model.named_buffers()}
     model.zero_grad(set_to_none=True)
     losses: list[torch.Tensor] = []
@@ -325,9 +327,9 @@ def measured_step(run: Callable[[], Any], model: nn.Module, inputs: dict[str, An
         loss = _loss(run())
         loss.backward()  # outside autocast, as PyTorch recommends
         losses.append(loss.detach())
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     peak = measure_step_peak(step, model.parameters(), model.buffers(),
-                             [x for x in inputs.values() if isinstance(x, torch.Tensor)])
+                             [x for x in inputs if isinstance(x, torch.Tensor)])
     grads = {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
     buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
     with torch.no_grad():
@@ -389,7 +391,7 @@ def check(name: str, autocast: torch.dtype | None = None) -> Row:
                 return call()
         return run
     try:
-        eager = measured_step(forward(lambda: model(**inputs)), model, inputs)
+        eager = measured_step(forward(lambda: model(**inputs)), model, inputs.values())
     except Exception as exc:
         raise EagerFailed(f"{type(exc).__name__}: {exc}") from exc
     options = dict(example_kwargs=inputs, profile_repeats=1, hold_outputs=False, loss_fn=_loss)
@@ -402,7 +404,7 @@ def check(name: str, autocast: torch.dtype | None = None) -> Row:
             budget = error.minimum_budget_bytes
         optimized = planner.optimize(model, budget, **options)
     seconds = time.perf_counter() - started
-    planned = measured_step(forward(lambda: optimized(**inputs)), model, inputs)
+    planned = measured_step(forward(lambda: optimized(**inputs)), model, inputs.values())
     if optimized.parts:
         return Row(name, case.family, True, None, eager.peak_bytes, budget, planned.peak_bytes, None,
                    distance(eager, planned), None, seconds)
@@ -411,7 +413,7 @@ def check(name: str, autocast: torch.dtype | None = None) -> Row:
     def run_graph() -> Any:
         with casts_uncached():  # as the planned module runs it
             return captured.graph_module(*captured.example_args, **captured.example_kwargs)
-    graph = measured_step(forward(run_graph), model, inputs)
+    graph = measured_step(forward(run_graph), model, inputs.values())
     return Row(name, case.family, False, len(optimized.plan.regions), eager.peak_bytes, budget, planned.peak_bytes,
                optimized.plan.predicted_peak_bytes, distance(eager, planned), distance(graph, planned), seconds)
 

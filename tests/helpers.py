@@ -2,46 +2,19 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from planner.meter import LiveMemoryMeter, storage_bytes
-
-
-@dataclass
-class StepResult:
-    loss: torch.Tensor
-    grads: dict[str, torch.Tensor]
-    buffers: dict[str, torch.Tensor]
-    peak_bytes: int
+from benchmarks.compat import Step as StepResult, measured_step
 
 
 def training_step(model: torch.nn.Module, run, inputs, *, owner: torch.nn.Module | None = None,
                   seed: int = 0) -> StepResult:
-    """Run ``run(model)`` (forward + loss) and backward under a live-storage meter; restore buffers afterwards.
+    """Run ``run(model)`` (forward + loss) and backward under a live-storage meter; restore buffers afterwards
+    (:func:`benchmarks.compat.measured_step`).
 
     ``owner`` is the module whose parameters and buffers are reported (the caller's model).
     """
-    owner = owner or model
-    params = dict(owner.named_parameters())
-    buffers_before = {k: b.detach().clone() for k, b in owner.named_buffers()}
-    for p in params.values():
-        p.grad = None
-    fixed = storage_bytes(list(params.values()) + list(owner.buffers())
-                          + [t for t in inputs if isinstance(t, torch.Tensor)])
-    torch.manual_seed(seed)
-    with LiveMemoryMeter() as meter:
-        loss = run(model)
-        loss.backward()
-    grads = {k: p.grad.detach().clone() for k, p in params.items() if p.grad is not None}
-    buffers = {k: b.detach().clone() for k, b in owner.named_buffers()}
-    with torch.no_grad():
-        for k, b in owner.named_buffers():
-            b.copy_(buffers_before[k])
-    for p in params.values():
-        p.grad = None
-    return StepResult(loss.detach(), grads, buffers, fixed + meter.peak_bytes)
+    return measured_step(lambda: run(model), owner or model, inputs, seed=seed)
 
 
 def assert_same_training(a: StepResult, b: StepResult, *, atol: float = 1e-5) -> None:
