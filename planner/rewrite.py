@@ -423,7 +423,7 @@ def apply_plan(graph_module: fx.GraphModule, plan: Plan) -> fx.GraphModule:
     first_of = {nodes[0]: (i, r, nodes) for i, r, nodes in regions}
     skipped = {n for _, _, nodes in regions for n in nodes}
     new = fx.Graph()
-    new._codegen = copy.deepcopy(old._codegen)
+    new._codegen = copy.copy(old._codegen)  # immutable pytree specs (deep-copying them warns)
     env: dict[fx.Node, fx.Node] = {}
     holder = torch.nn.Module()
     for n in old.nodes:
