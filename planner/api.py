@@ -134,7 +134,7 @@ def fingerprint(captured: CapturedGraph, *, as_device: str | None = None) -> str
     for n in captured.graph_module.graph.nodes:
         if is_layout_copy(n):
             continue
-        digest.update(f"{n.op}|{n.name}|{n.target}\n".encode())
+        digest.update(f"{n.op}|{n.name}|{n.target}|{_described_args(n)}\n".encode())
     for name, p in captured.graph_module.named_parameters():
         digest.update(f"{name}|{tuple(p.shape)}|{p.dtype}\n".encode())
     spec, described = captured.input_signature
@@ -142,6 +142,39 @@ def fingerprint(captured: CapturedGraph, *, as_device: str | None = None) -> str
         described = tuple((*d[:3], as_device, *d[4:]) if d[0] == "tensor" else d for d in described)
     digest.update(repr((spec, described)).encode())
     return digest.hexdigest()[:16]
+
+
+def _described_args(node: torch.fx.Node) -> str:
+    """``node``'s arguments as :func:`fingerprint` hashes them: other nodes by name (through layout copies, which
+    it leaves out), constants (a dropout's probability, a scale, a dimension) by value, devices by nothing (the
+    input signature says where the inputs are).
+
+    >>> import torch
+    >>> from planner.capture import capture
+    >>> class Scaled(torch.nn.Module):
+    ...     def forward(self, x, y):
+    ...         return x * 0.5 - y
+    >>> [_described_args(n) for n in capture(Scaled(), (torch.ones(2), torch.ones(2))).compute_nodes()]
+    ['((%x, 0.5), {})', '((%mul, %y), {})']
+    """
+    def described(value: Any) -> Any:
+        if isinstance(value, torch.fx.Node):
+            while is_layout_copy(value):
+                value = value.args[0]
+            return _Named(value.name)
+        if isinstance(value, torch.device):
+            return _Named("device")
+        if isinstance(value, torch.Tensor):
+            return _Named(f"tensor{tuple(value.shape)}:{value.dtype}")
+        return value
+    return repr(torch.fx.node.map_aggregate((node.args, node.kwargs), described))
+
+
+class _Named(str):
+    """Shown by :func:`_described_args` as ``%name``."""
+
+    def __repr__(self) -> str:
+        return f"%{self}"
 
 
 def capture_for(model: torch.nn.Module, args: tuple, kwargs: dict | None,
@@ -282,10 +315,6 @@ def pose(captured: CapturedGraph, *, loss_fn: Callable | None = None, optimizer=
     states = {n.name for n in nodes if is_state(n)}
     masks = {n.name for n in nodes if is_mask(n)}
     pass_through = {n.name for n in nodes if passes_gradient_through(n)}
-    problem = build_problem(profile, stages, random_nodes=random_nodes, always_kept=states, masks=masks,
-                            pass_through=pass_through,
-                            extra_fixed_bytes=training_state_bytes(captured.graph_module, optimizer, ddp),
-                            name=type(captured.graph_module).__name__, hold_outputs=hold_outputs)
     stage_of = {node: i for i, spec in enumerate(stages) for node in spec.nodes}
     try:
         measured = measure_stages(captured, stage_of, len(stages), loss_fn=loss_fn, repeats=profile_repeats,
@@ -293,6 +322,13 @@ def pose(captured: CapturedGraph, *, loss_fn: Callable | None = None, optimizer=
                                   created=created_tensors(profile))
     except ValueError as exc:
         raise PlannerError(str(exc), hint="pass loss_fn= that turns the model's output into a scalar loss") from exc
+    if measured.sparse_grad_bytes:  # what a sparse gradient holds is known only once it is made
+        profile = dataclasses.replace(profile, param_grad_bytes={**profile.param_grad_bytes,
+                                                                 **measured.sparse_grad_bytes})
+    problem = build_problem(profile, stages, random_nodes=random_nodes, always_kept=states, masks=masks,
+                            pass_through=pass_through,
+                            extra_fixed_bytes=training_state_bytes(captured.graph_module, optimizer, ddp),
+                            name=type(captured.graph_module).__name__, hold_outputs=hold_outputs)
     stage_nodes = tuple(s.nodes for s in stages)
     problem = calibrate(problem, measured)
     if profile_repeats > 0 and not compiled and not isinstance(stopwatch, AnalyticStopwatch):

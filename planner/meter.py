@@ -75,6 +75,26 @@ def _storage_key(storage: torch.UntypedStorage) -> tuple[int, int]:
     return (storage.data_ptr(), storage.nbytes())
 
 
+def storages_of(tensor: torch.Tensor) -> list[torch.UntypedStorage]:
+    """The storages that hold ``tensor``'s data: its own, or for a sparse tensor those of its indices and values
+    (a sparse gradient: ``nn.Embedding(sparse=True)``).
+
+    >>> import torch
+    >>> [s.nbytes() for s in storages_of(torch.zeros(3))]
+    [12]
+    >>> sparse = torch.sparse_coo_tensor(torch.tensor([[0, 2]]), torch.ones(2), (5,), check_invariants=True)
+    >>> [s.nbytes() for s in storages_of(sparse)]
+    [16, 8]
+    """
+    if tensor.layout is torch.sparse_coo:
+        return [tensor._indices().untyped_storage(), tensor._values().untyped_storage()]
+    if tensor.layout in (torch.sparse_csr, torch.sparse_bsr):
+        return [s.untyped_storage() for s in (tensor.crow_indices(), tensor.col_indices(), tensor.values())]
+    if tensor.layout in (torch.sparse_csc, torch.sparse_bsc):
+        return [s.untyped_storage() for s in (tensor.ccol_indices(), tensor.row_indices(), tensor.values())]
+    return [tensor.untyped_storage()]
+
+
 def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
     """Bytes of the distinct storages behind ``tensors`` (views and tied tensors count once).
 
@@ -89,8 +109,8 @@ def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
     seen: dict[tuple[int, int], int] = {}
     for t in tensors:
         if isinstance(t, torch.Tensor):
-            st = t.untyped_storage()
-            seen[_storage_key(st)] = st.nbytes()
+            for st in storages_of(t):
+                seen[_storage_key(st)] = st.nbytes()
     return sum(seen.values())
 
 
@@ -260,12 +280,12 @@ class LiveMemoryMeter(TorchDispatchMode):
             self.live_bytes -= hidden
         out = func(*args, **(kwargs or {}))
         resizable = self._count_resizable()
-        inputs = {id(t.untyped_storage()) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        inputs = {id(s) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) for s in storages_of(t)}
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor) and not isinstance(t, FakeTensor):  # a fake holds nothing (export's)
-                storage = t.untyped_storage()
-                if id(storage) not in inputs and storage.nbytes() > 0:
-                    self._track(storage, resizable)
+                for storage in storages_of(t):
+                    if id(storage) not in inputs and storage.nbytes() > 0:
+                        self._track(storage, resizable)
         if self.record:
             self.samples.append(Sample(str(func), len(self.segments) - 1, max(self.live_bytes, busiest)))
         return out

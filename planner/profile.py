@@ -24,7 +24,7 @@ from contextlib import contextmanager
 import dataclasses
 import statistics
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
@@ -34,7 +34,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import FlopCounterMode
 
 from .capture import CapturedGraph, casts_uncached, flat_call_args, module_path, outside_autocast, written_inputs
-from .meter import LiveMemoryMeter, Release, Segment, hidden_bytes, storage_bytes
+from .meter import LiveMemoryMeter, Release, Segment, hidden_bytes, storage_bytes, storages_of
 from .timing import Estimate, Stopwatch, WallStopwatch, interleaved_rounds, median_standard_error
 
 Kernels = dict  # graph target -> what to call instead while profiling (see planner.meta.target_kernels)
@@ -296,6 +296,28 @@ def preserved_training_state(gm: fx.GraphModule) -> Iterator[None]:
             p.grad = g
 
 
+def sparse_gradient_bytes(gm: fx.GraphModule, flat_args: Sequence[Any]) -> dict[str, int]:
+    """Per parameter of ``gm`` whose ``.grad`` is sparse (an ``nn.Embedding(sparse=True)``'s, after a backward):
+    the bytes its storages hold beyond the fixed tensors (:func:`fixed_tensors`): a dense gradient's size says
+    nothing of it. An embedding's sparse gradient holds one row per id looked up (its values may be the gradient
+    that reached the lookup, kept) and the ids as 64-bit indices (they may view the input).
+
+    >>> import torch
+    >>> gm = fx.symbolic_trace(torch.nn.Embedding(1000, 8, sparse=True))
+    >>> ids = torch.tensor([[1, 2, 3, 1]])
+    >>> gm(ids).sum().backward()
+    >>> sparse_gradient_bytes(gm, [ids])  # 4 rows of 8 floats (128 bytes) and 4 indices (32)
+    {'weight': 160}
+    """
+    fixed = {id(s) for t in fixed_tensors(gm, flat_args) for s in storages_of(t)}
+    sizes = {}
+    for name, p in gm.named_parameters():
+        if p.grad is not None and p.grad.layout is not torch.strided:
+            sizes[name] = sum(s.nbytes() for s in {id(s): s for s in storages_of(p.grad)}.values()
+                              if id(s) not in fixed)
+    return sizes
+
+
 def fixed_tensors(gm: fx.GraphModule, flat_args: Sequence[Any]) -> list[torch.Tensor]:
     """Tensors alive throughout a step that the graph does not allocate: parameters, buffers, inputs."""
     tensors = list(gm.parameters()) + list(gm.buffers())
@@ -388,6 +410,9 @@ class StageMeasurement:
     # with the peak before it (since the segment began or the free before), and the peak after the last; None for
     # the others. A stage's measured peak, told apart by which tensors it saves of earlier stages are still alive
     backward_releases: list[BackwardReleases | None] | None = None
+    # per parameter whose gradient is sparse (``nn.Embedding(sparse=True)``): the bytes it holds beyond the fixed
+    # tensors (its values keep the gradient that reached the lookup, its indices may view the input)
+    sparse_grad_bytes: dict[str, int] = field(default_factory=dict)
 
 
 class _MarkingInterpreter(FreeingInterpreter):
@@ -503,9 +528,11 @@ def measure_stages(captured: CapturedGraph, stage_of: dict[str, int], num_stages
         with outside_autocast():
             on_backward_start()
             loss.backward(seed)
+        sparse = sparse_gradient_bytes(gm, flat)
         for p in gm.parameters():
             p.grad = None
-        return storage_bytes([seed]) + (0 if id(loss.untyped_storage()) in held_outputs else storage_bytes([loss]))
+        return (storage_bytes([seed]) + (0 if id(loss.untyped_storage()) in held_outputs else storage_bytes([loss])),
+                sparse)
 
     on_cuda = any(t.is_cuda for t in list(gm.parameters()) + [x for x in flat if isinstance(x, torch.Tensor)])
     with preserved_training_state(gm):
@@ -540,7 +567,7 @@ def _measure(one_step, num_stages: int, repeats: int, stopwatch: Stopwatch, on_c
                 meter.settle()
 
     with meter:
-        loss_bytes = one_step(lambda k: meter.mark(f"f{k}"), lambda: meter.mark("b"), lambda k: meter.mark(f"d{k}"),
+        loss_bytes, sparse_grad_bytes = one_step(lambda k: meter.mark(f"f{k}"), lambda: meter.mark("b"), lambda k: meter.mark(f"d{k}"),
                               first_unpack, labelling)
     device_peak = device_reserved = None
     if on_cuda:
@@ -587,7 +614,7 @@ def _measure(one_step, num_stages: int, repeats: int, stopwatch: Stopwatch, on_c
     return StageMeasurement(forward_peak, backward_peak, backward_seconds, stopwatch.combine(steps),
                             total_peak=meter.peak_bytes, device_peak_bytes=device_peak,
                             device_reserved_bytes=device_reserved, before_first_unpack=before_first_unpack,
-                            loss_bytes=loss_bytes, backward_releases=releases)
+                            loss_bytes=loss_bytes, backward_releases=releases, sparse_grad_bytes=sparse_grad_bytes)
 
 
 def paired_step_seconds(steps: dict[str, Callable[[], None]], repeats: int, baseline: str, *,

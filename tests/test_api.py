@@ -9,6 +9,7 @@ import torch
 
 import planner
 from planner.errors import InfeasibleBudgetError, PlannerError
+from planner.meter import storage_bytes
 from planner.parts import PartialCaptureWarning
 from planner.problem import Region, Schedule, simulate
 from planner.timing import Estimate
@@ -280,6 +281,67 @@ def test_plan_then_apply_round_trips_through_json(model):
     data["fingerprint"] = "0" * 16
     with pytest.raises(PlannerError, match="differ"):
         planner.apply(model, planner.Plan.from_json(json.dumps(data)), (X,))
+
+
+class Scaled(torch.nn.Module):
+    """Four blocks whose branches are scaled by ``scale`` and dropped out with ``p``; ``swap`` subtracts the
+    input from the block where it would subtract the block from the input."""
+
+    def __init__(self, scale=0.5, p=0.1, swap=False):
+        super().__init__()
+        self.blocks = Blocks()
+        self.scale, self.p, self.swap = scale, p, swap
+
+    def forward(self, x):
+        for layer in self.blocks.layers:
+            branch = torch.nn.functional.dropout(layer(x) * self.scale, self.p, self.training)
+            x = x - branch if not self.swap else branch - x
+        return x
+
+
+def test_a_plan_is_known_by_its_graphs_constants_and_wiring():
+    """The fingerprint hashed each node's name and target only, so models that differ in a constant (a dropout's
+    probability, a scale) or in which tensor feeds which op shared it: a plan applied to the other model, and
+    planning the second reused the first's profile and calibration."""
+    torch.manual_seed(0)
+    models = [Scaled(), Scaled(scale=2.0), Scaled(p=0.5), Scaled(swap=True)]
+    captured = [planner.api.capture_for(m, (X,), {}, None) for m in models]
+    assert [n.name for n in captured[0].compute_nodes()] == [n.name for n in captured[3].compute_nodes()]
+    assert len({planner.api.fingerprint(c) for c in captured}) == 4
+    assert planner.api.fingerprint(captured[0]) == planner.api.fingerprint(planner.api.capture_for(Scaled(), (X,),
+                                                                                                     {}, None))
+    plan = planner.plan(models[0], "100%", (X,), loss_fn=_loss, profile_repeats=1)
+    with pytest.raises(PlannerError, match="differ"):
+        planner.apply(models[1], plan, (X,))
+
+
+class SparseLookup(torch.nn.Module):
+    """A large table looked up with ``sparse=True``, then four residual MLP blocks."""
+
+    def __init__(self, rows=20_000, width=32):
+        super().__init__()
+        self.table = torch.nn.Embedding(rows, width, sparse=True)
+        self.blocks = Blocks(width=width)
+
+    def forward(self, ids):
+        return self.blocks(self.table(ids))
+
+
+def test_a_sparse_gradient_is_planned_at_the_size_it_has():
+    """The problem counted the table's gradient at the table's dense size (2.4 MiB here), which made small budgets
+    look infeasible (gradients "49%" of the peak, for a larger table); its sparse gradient holds one row per id."""
+    torch.manual_seed(0)
+    model, ids = SparseLookup(), torch.randint(0, 20_000, (32, 64))
+    eager = training_step(model, lambda m: _loss(m(ids)), (ids,))
+    opt = planner.optimize(model, "70%", example_inputs=(ids,), loss_fn=_loss, profile_repeats=1,
+                           hold_outputs=False)
+    problem = opt.planned.problem
+    assert sum(stage.grad_bytes for stage in problem.stages) < storage_bytes(model.parameters()) // 2
+    assert opt.plan.regions and opt.plan.predicted_peak_bytes <= opt.plan.budget_bytes
+    result = training_step(opt, lambda m: _loss(m(ids)), (ids,), owner=model)
+    assert result.peak_bytes == opt.plan.predicted_peak_bytes and eager.peak_bytes == opt.plan.eager_peak_bytes
+    assert result.grads["table.weight"].is_sparse
+    assert_same_training(eager, result, atol=0)
 
 
 def test_a_plan_cut_inside_the_blocks_records_its_granularity_and_applies(model):

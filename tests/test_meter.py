@@ -99,6 +99,18 @@ def test_backward_allocations_are_seen():
     w.grad = None
 
 
+def test_sparse_tensors_count_their_indices_and_values():
+    """``nn.Embedding(sparse=True)`` makes its gradient a sparse tensor, which has no storage of its own: the meter
+    raised ``NotImplementedError`` on it."""
+    weight = torch.randn(1000, 16, requires_grad=True)
+    ids = torch.randint(0, 1000, (64,))
+    with LiveMemoryMeter() as meter:
+        torch.nn.functional.embedding(ids, weight, sparse=True).pow(2).sum().backward()
+        held = meter.live_bytes
+    assert weight.grad.is_sparse and held == storage_bytes([weight.grad]) == 64 * 16 * 4 + 64 * 8
+    assert storage_bytes([weight.grad, weight.grad._values()]) == held  # its values count once
+
+
 def test_storage_bytes_counts_shared_storage_once():
     x = torch.zeros(100)
     assert storage_bytes([x, x.view(10, 10), x[5:], torch.zeros(3)]) == 400 + 12

@@ -51,9 +51,9 @@ def test_profiling_keeps_no_tensor_of_its_run_alive():
     stayed allocated after planning (on an H200, 11.7 GiB of GPT-2's beside a 13.7 GiB step)."""
     import gc
 
-    def with_history():
+    def with_history():  # what other tests of this worker left may die meanwhile: profiling must add nothing
         gc.collect()
-        return sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor) and o.grad_fn is not None)
+        return {id(o) for o in gc.get_objects() if isinstance(o, torch.Tensor) and o.grad_fn is not None}
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 64),
@@ -61,7 +61,7 @@ def test_profiling_keeps_no_tensor_of_its_run_alive():
     captured = capture(model, (torch.randn(32, 16),))
     before = with_history()
     profile = profile_graph(captured, repeats=1)
-    assert with_history() == before
+    assert with_history() <= before
     assert any(p.saved & {r.key for r in p.created} for p in profile.nodes)  # some op saved its own output
 
 
