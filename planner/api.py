@@ -39,14 +39,14 @@ from .meta import device_type_of, meta_copy, target_kernels, tensors_of
 from .timing import AnalyticStopwatch, Estimate, stopwatch_for
 from .costmodel import (Granularity, add_checkpoint_overheads, build_problem, calibrate, created_tensors,
                         granularity_of, never_cached, partition_stages, passes_gradient_through, refinement,
-                        scale_seconds)
+                        scale_seconds, with_seconds_of)
 from .dropout import is_mask, is_state
 from .errors import InfeasibleBudgetError, PlannerError
 from .plan import Plan, SolverStatus, budget_for_usable, usable_bytes
 from .problem import Problem, RecomputeOption, Region, Schedule, recompute_seconds, region_caches, simulate
 from .meter import device_allocator_peak_bytes
-from .profile import (StageMeasurement, default_loss, measure_stages, paired_step_seconds, preserved_training_state,
-                      profile_graph)
+from .profile import (GraphProfile, StageMeasurement, annotated, default_loss, measure_stages, paired_step_seconds,
+                      preserved_training_state, profile_graph)
 from .parts import PartialCaptureWarning, ReducedBudget, capturable_parts, parts_planned, record_calls
 from .rewrite import apply_plan
 from .solvers.baselines import block_checkpoints
@@ -212,6 +212,7 @@ class Posed:
     granularity: Granularity = Granularity.BLOCK
     block_ranges: tuple[tuple[int, int], ...] | None = None
     compiled: bool = False  # posed for torch.compile: no eager checkpoint machinery charged (see :func:`pose`)
+    profile: GraphProfile | None = None  # the graph's profile it was posed from (see ``pose(times_from=)``)
 
 
 REMEMBERED_POSES = 4  # how many posed problems planning keeps (:func:`remembered_pose`)
@@ -224,7 +225,8 @@ def remembered_pose(captured: CapturedGraph, *, optimizer=None, ddp: bool = Fals
     for a large model, and its plans are priced alike. The graph is known by its :func:`fingerprint` (nodes,
     parameter shapes, input signature), which parameters train, the fixed training state, the options, the torch
     threads and the calibration's settings; the last :data:`REMEMBERED_POSES` are kept. :func:`forget_poses` makes
-    the next planning measure afresh.
+    the next planning measure afresh. Posed with ``grads_held`` where the same graph was posed without, it takes
+    that problem's times (``pose(times_from=)``): the held gradients are measured, the calibration is not redone.
 
     >>> import torch
     >>> from planner.capture import capture
@@ -240,7 +242,10 @@ def remembered_pose(captured: CapturedGraph, *, optimizer=None, ddp: bool = Fals
     if key is None:
         return pose(captured, optimizer=optimizer, ddp=ddp, **options)
     if key not in _remembered:
-        _remembered[key] = pose(captured, optimizer=optimizer, ddp=ddp, **options)
+        twin = _pose_key(captured, optimizer, ddp, {**options, "grads_held": False}) \
+            if options.get("grads_held") else None
+        times = {"times_from": _remembered[twin]} if twin in _remembered else {}
+        _remembered[key] = pose(captured, optimizer=optimizer, ddp=ddp, **options, **times)
         while len(_remembered) > REMEMBERED_POSES:
             _remembered.popitem(last=False)
     _remembered.move_to_end(key)
@@ -284,7 +289,8 @@ def captured_device_type(captured: CapturedGraph) -> str:
 def pose(captured: CapturedGraph, *, loss_fn: Callable | None = None, optimizer=None, ddp: bool = False,
          max_stages: int = 64, profile_repeats: int = 3, hold_outputs: bool = True,
          device: str | DeviceSpec | None = None, sharding: fsdp.Sharding | None = None,
-         granularity: str | Granularity = Granularity.BLOCK, compiled: bool = False) -> Posed:
+         granularity: str | Granularity = Granularity.BLOCK, compiled: bool = False, grads_held: bool = False,
+         times_from: Posed | None = None) -> Posed:
     """Profile ``captured`` and pose the planning problem, timed for ``device`` (a name or a
     :class:`~planner.devices.DeviceSpec`: analytic times) or, without it, measured where the tensors are.
     The optimizer's state and, with ``ddp``, DDP's gradient buckets count as fixed memory; with ``sharding`` (the
@@ -297,13 +303,27 @@ def pose(captured: CapturedGraph, *, loss_fn: Callable | None = None, optimizer=
     nodes' own time. Charged them, a test-size ResNet planned under compile at 15.32 MiB recomputed one block
     whole; priced without them, it caches the blocks' convolutions in three regions and recomputes the
     normalisations, which inductor folds into its backward kernels. Planning under compile, which no longer times
-    the calibration's steps, took 2-9 times less time for the test-size examples (GPT-2: 31 s against 103 s)."""
+    the calibration's steps, took 2-9 times less time for the test-size examples (GPT-2: 31 s against 103 s).
+
+    ``grads_held``: the step begins with every trained parameter holding its gradient (gradient accumulation's
+    micro-batches after the first, or ``zero_grad(set_to_none=False)``): the gradients are fixed memory, and the
+    eager step is measured with them held, each new gradient a temporary the backward adds into them.
+
+    ``times_from``: the pose of the same graph with the same options but ``grads_held`` (held gradients change
+    the step's memory, not what its ops or recomputation cost): its profile and calibrated times are taken
+    (:func:`~planner.costmodel.with_seconds_of`), and only the eager step is measured again, with the gradients
+    held. Calibrating again is most of the time planning a small model takes, and a profile timed afresh may
+    rank the nodes to cache otherwise."""
     cut_at = granularity_of(granularity)
     spec = device_spec(device) if device is not None else None
     device_type = captured_device_type(captured)
     stopwatch = stopwatch_for(device_type, spec)
     kernels = target_kernels(device_type, spec)
-    profile = profile_graph(captured, repeats=profile_repeats, stopwatch=stopwatch, kernels=kernels)
+    if times_from is not None and times_from.profile is not None:
+        profile = annotated(captured.graph_module, times_from.profile)
+    else:
+        profile = profile_graph(captured, repeats=profile_repeats, stopwatch=stopwatch, kernels=kernels)
+    profiled = profile
     if sharding is not None:
         profile = fsdp.per_rank_profile(profile, captured.graph_module, sharding)
     stages = partition_stages(profile, max_stages=max_stages, granularity=cut_at)
@@ -319,22 +339,28 @@ def pose(captured: CapturedGraph, *, loss_fn: Callable | None = None, optimizer=
     try:
         measured = measure_stages(captured, stage_of, len(stages), loss_fn=loss_fn, repeats=profile_repeats,
                                   hold_outputs=hold_outputs, stopwatch=stopwatch, kernels=kernels,
-                                  created=created_tensors(profile))
+                                  created=created_tensors(profile), grads_held=grads_held)
     except ValueError as exc:
         raise PlannerError(str(exc), hint="pass loss_fn= that turns the model's output into a scalar loss") from exc
     if measured.sparse_grad_bytes:  # what a sparse gradient holds is known only once it is made
         profile = dataclasses.replace(profile, param_grad_bytes={**profile.param_grad_bytes,
                                                                  **measured.sparse_grad_bytes})
+    held_grad_bytes = sum(profile.param_grad_bytes.values()) if grads_held else 0
+    if grads_held:  # held from the start: fixed, and no stage's backward makes them
+        profile = dataclasses.replace(profile, param_grad_bytes={})
     problem = build_problem(profile, stages, random_nodes=random_nodes, always_kept=states, masks=masks,
                             pass_through=pass_through,
-                            extra_fixed_bytes=training_state_bytes(captured.graph_module, optimizer, ddp),
+                            extra_fixed_bytes=training_state_bytes(captured.graph_module, optimizer, ddp)
+                            + held_grad_bytes,
                             name=type(captured.graph_module).__name__, hold_outputs=hold_outputs)
     stage_nodes = tuple(s.nodes for s in stages)
     problem = calibrate(problem, measured)
-    if profile_repeats > 0 and not compiled and not isinstance(stopwatch, AnalyticStopwatch):
+    if times_from is not None:
+        problem = with_seconds_of(problem, times_from.problem)
+    elif profile_repeats > 0 and not compiled and not isinstance(stopwatch, AnalyticStopwatch):
         # eager checkpointing's costs: the roofline has no hooks, and compiled regions run none of the machinery
         problem = _calibrate_checkpoint_overheads(captured, problem, stage_nodes, loss_fn, profile_repeats)
-    return Posed(problem, stage_nodes, stopwatch.name, measured, cut_at, block_ranges, compiled)
+    return Posed(problem, stage_nodes, stopwatch.name, measured, cut_at, block_ranges, compiled, profiled)
 
 
 # Calibration rounds go on (up to CALIBRATION_ROUNDS times the profile repeats, within CALIBRATION_SECONDS) until
@@ -910,7 +936,7 @@ def _plan_captured(model, captured: CapturedGraph, budget, *, loss_fn, optimizer
                    profile_repeats: int, solver_options: dict | None, hold_outputs: bool = True,
                    device: str | DeviceSpec | None = None, allocator_margin: float | None = None,
                    posed: Posed | None = None, granularity: str | Granularity = Granularity.BLOCK,
-                   compile: dict | None = None) -> Planned:
+                   compile: dict | None = None, grads_held: bool | None = False) -> Planned:
     spec = device_spec(device) if device is not None else None
     device_type = captured_device_type(captured)
     parsed = device_budget(budget, spec, device_type)
@@ -918,7 +944,7 @@ def _plan_captured(model, captured: CapturedGraph, budget, *, loss_fn, optimizer
     posed = posed or _pose_within_memory(captured, spec, loss_fn=loss_fn, optimizer=optimizer, ddp=ddp,
                                          max_stages=max_stages, profile_repeats=profile_repeats,
                                          hold_outputs=hold_outputs, granularity=granularity_of(granularity),
-                                         compiled=compile is not None)
+                                         compiled=compile is not None, grads_held=bool(grads_held))
     problem = posed.problem
     eager = simulate(problem, Schedule.store_all(problem.num_stages)).peak_bytes
     budget_bytes = parsed.resolve(eager)
@@ -932,7 +958,8 @@ def _plan_captured(model, captured: CapturedGraph, budget, *, loss_fn, optimizer
     try:
         if compile is not None:
             fit = _fit_compiled(captured, posed, solve, usable_bytes(budget_bytes, margin),
-                                compile_options=compile, loss_fn=loss_fn, hold_outputs=hold_outputs)
+                                compile_options=compile, loss_fn=loss_fn, hold_outputs=hold_outputs,
+                                grads_held=bool(grads_held))
             result, compiled_module = fit.kept.plan, fit.kept.payload
             compiled_extra = (("compiled_peak_bytes", fit.kept.peak_bytes),
                               ("compiled_plans_measured", len(fit.tried)),
@@ -945,7 +972,8 @@ def _plan_captured(model, captured: CapturedGraph, budget, *, loss_fn, optimizer
     measured = posed.measured
     extra = tuple((k, v) for k, v in (("measured_device_peak_bytes", measured.device_peak_bytes),
                                       ("measured_device_reserved_bytes", measured.device_reserved_bytes),
-                                      ("ddp_bucket_bytes", ddp_bucket_bytes(captured.graph_module) if ddp else None))
+                                      ("ddp_bucket_bytes", ddp_bucket_bytes(captured.graph_module) if ddp else None),
+                                      ("grads_held", True if grads_held else None))
                   if v is not None) + posed.granularity.plan_extra + compiled_extra
     result = dataclasses.replace(result, budget_bytes=budget_bytes, budget_text=parsed.text,
                                  stage_nodes=posed.stage_nodes, fingerprint=fingerprint(captured),
@@ -955,11 +983,13 @@ def _plan_captured(model, captured: CapturedGraph, budget, *, loss_fn, optimizer
 
 
 def _compiled_training_step(module: torch.nn.Module, captured: CapturedGraph, loss_fn: Callable | None,
-                            hold_outputs: bool) -> Callable[[], None]:
+                            hold_outputs: bool, grads_held: bool = False) -> Callable[[], None]:
     """One forward and backward of ``module`` on the captured inputs, the way the plan was made for (the outputs
-    held through the backward when ``hold_outputs``); the gradients it makes are dropped afterwards."""
+    held through the backward when ``hold_outputs``); the gradients it makes are dropped afterwards, or with
+    ``grads_held`` the trained parameters hold gradients from before it, as it leaves them (allocated now)."""
     args, kwargs, loss_of = captured.example_args, captured.example_kwargs, loss_fn or default_loss
     parameters = list(captured.graph_module.parameters())
+    held = {p: torch.zeros_like(p) for p in parameters if p.requires_grad} if grads_held else {}
 
     def step() -> None:
         outputs = module(*args, **kwargs)
@@ -969,12 +999,13 @@ def _compiled_training_step(module: torch.nn.Module, captured: CapturedGraph, lo
         with outside_autocast():
             loss.backward()
         for p in parameters:
-            p.grad = None
+            p.grad = held.get(p)
     return step
 
 
 def _fit_compiled(captured: CapturedGraph, posed: Posed, solve: Callable[[int], Plan], usable: int, *,
-                  compile_options: dict, loss_fn: Callable | None, hold_outputs: bool) -> CompiledFit:
+                  compile_options: dict, loss_fn: Callable | None, hold_outputs: bool,
+                  grads_held: bool = False) -> CompiledFit:
     """Plan for ``usable`` bytes under ``torch.compile(**compile_options)``: each plan is compiled and one training
     step measured through the device's allocator (:func:`~planner.compiled.fit_plans`), on top of what the problem
     holds fixed (parameters, buffers, inputs, optimizer state); raises :class:`InfeasibleBudgetError` naming the
@@ -985,9 +1016,9 @@ def _fit_compiled(captured: CapturedGraph, posed: Posed, solve: Callable[[int], 
 
     def measure(plan: Plan) -> tuple[int, torch.nn.Module]:
         module = torch.compile(planned_module(captured, plan, posed.stage_nodes), **compile_options)
-        step = _compiled_training_step(module, captured, loss_fn, hold_outputs)
+        step = _compiled_training_step(module, captured, loss_fn, hold_outputs, grads_held)
         with preserved_training_state(gm):
-            step()  # compiles
+            step()  # compiles, and leaves the gradients held (when they are) before the step measured
             return fixed + device_allocator_peak_bytes(step, device_type), module
 
     fit = fit_plans(solve, measure, usable)
@@ -1028,12 +1059,13 @@ def plan(model: torch.nn.Module, budget: int | str | None, example_inputs: Any =
          loss_fn: Callable | None = None, max_stages: int = 64, profile_repeats: int = 3,
          solver_options: dict | None = None, hold_outputs: bool = True, device: str | DeviceSpec | None = None,
          allocator_margin: float | None = None, ddp: bool = False,
-         granularity: str | Granularity = Granularity.BLOCK, compile: bool | dict = False) -> Plan:
+         granularity: str | Granularity = Granularity.BLOCK, compile: bool | dict = False,
+         grads_held: bool = False) -> Plan:
     """Plan ``model`` under ``budget`` without rewriting it; see :func:`optimize` for the arguments.
 
     A model built under ``with torch.device("meta"):`` (inputs made with ``device="meta"``) is planned without
     allocating anything; give ``device=`` the GPU to plan for. The plan applies to the real model with
-    :func:`apply`.
+    :func:`apply`. ``grads_held=True`` plans the steps of gradient accumulation after the first.
     """
     if example_inputs is None and not example_kwargs:
         raise PlannerError("planner.plan needs example inputs",
@@ -1042,7 +1074,8 @@ def plan(model: torch.nn.Module, budget: int | str | None, example_inputs: Any =
     options = dict(loss_fn=loss_fn, optimizer=optimizer, solver=solver, max_stages=max_stages,
                    profile_repeats=profile_repeats, solver_options=solver_options, hold_outputs=hold_outputs,
                    device=device, allocator_margin=allocator_margin, ddp=ddp,
-                   granularity=granularity_of(granularity), compile=_compile_options(compile, device))
+                   granularity=granularity_of(granularity), compile=_compile_options(compile, device),
+                   grads_held=grads_held)
     example_kwargs = without_unmasking_mask(model, dict(example_kwargs or {}))
     sharding = fsdp.sharding_of(model)
     if sharding is not None:
@@ -1063,6 +1096,10 @@ def _plan_sharded(model: torch.nn.Module, args: tuple, kwargs: dict, sharding: f
     if options.get("compile") is not None:
         raise PlannerError("compile= does not plan models sharded with fully_shard",
                            hint="drop compile= and torch.compile the module optimize() returns")
+    if options.get("grads_held"):
+        raise PlannerError("grads_held=True is not modelled for models sharded with fully_shard",
+                           hint="leave grads_held unset: under FSDP steps are planned without held gradients")
+    options = {**options, "grads_held": False}
     fsdp.check_same_inputs_on_all_ranks(input_signature(args, kwargs))
     with fsdp.unsharded_for_capture(model, wrapper):
         captured = dataclasses.replace(capture_for(model, args, kwargs, options.get("device")), sharding=sharding)
@@ -1169,6 +1206,7 @@ class OptimizedModule(torch.nn.Module):
         self._planned: dict[tuple, tuple[Planned, torch.nn.Module]] = {}
         self._reused_calls: dict[tuple, int] = {}  # calls run under each reused plan (see _planning_pays)
         self._modules_listed: tuple[torch.nn.Module, ...] | None = None  # the model's modules, for hooks_signature
+        self._parameters_listed: tuple[torch.nn.Parameter, ...] | None = None  # its parameters, for grads_held
         self._last: Planned | None = None
         self._parts: dict[str, OptimizedModule] | None = None  # set when the model captures only in parts
         self._parts_hooks: tuple = ()  # the model's hooks when it was planned in parts
@@ -1200,7 +1238,7 @@ class OptimizedModule(torch.nn.Module):
     @property
     def code(self) -> str:
         """The generated code of the current plan's module: where each checkpoint region starts and ends."""
-        return self._planned[self._last.captured.key][1].code if self._last else ""
+        return self._planned[_stored_key(self._last)][1].code if self._last else ""
 
     def add_plan(self, planned: Planned) -> None:
         captured, plan = planned.captured, planned.plan
@@ -1210,7 +1248,7 @@ class OptimizedModule(torch.nn.Module):
                                                              captured.sharding, wrapper=self)
             plan = dataclasses.replace(plan, stage_nodes=stage_nodes)
         module = planned.compiled_module if planned.compiled_module is not None else apply_plan(graph_module, plan)
-        self._planned[captured.key] = (planned, module)
+        self._planned[_stored_key(planned)] = (planned, module)
         self._last = planned
 
     def _plan_for(self, args: tuple, kwargs: dict, *, replacing: Planned | None = None) -> None:
@@ -1233,12 +1271,13 @@ class OptimizedModule(torch.nn.Module):
             self._parts = self._plan_parts(args, kwargs, error)
             self._parts_hooks = self._hooks_now()
             return
-        larger = self._larger_plan(captured) if self.reuse_plans and replacing is None else None
+        held = self._grads_held_now()
+        larger = self._larger_plan(captured, held) if self.reuse_plans and replacing is None else None
         if larger is not None:
             self.add_plan(_reused(larger, captured))
             return
         budget = self.budget if replacing is None else replacing.plan.budget_bytes
-        planned = _plan_captured(self.model, captured, budget, **self._options)
+        planned = _plan_captured(self.model, captured, budget, **{**self._options, "grads_held": held})
         self.add_plan(dataclasses.replace(planned, planning_seconds=time.perf_counter() - started))
 
     def _planning_pays(self, key: tuple, planned: Planned) -> bool:
@@ -1251,15 +1290,16 @@ class OptimizedModule(torch.nn.Module):
         self._reused_calls[key] = calls = self._reused_calls.get(key, 0) + 1
         return calls * planned.plan.predicted_recompute_seconds >= planned.planning_seconds
 
-    def _larger_plan(self, captured: CapturedGraph) -> Planned | None:
-        """Of the plans made for the same graph on inputs at least as large, in the same autocast state, the one
-        for the smallest (:func:`~planner.capture.no_larger_than`); None without any, or with ``compile=`` (a
-        compiled plan is measured for its shapes)."""
+    def _larger_plan(self, captured: CapturedGraph, grads_held: bool) -> Planned | None:
+        """Of the plans made for the same graph on inputs at least as large, in the same autocast state and with
+        gradients held alike, the one for the smallest (:func:`~planner.capture.no_larger_than`); None without any,
+        or with ``compile=`` (a compiled plan is measured for its shapes)."""
         if self._options.get("compile") is not None:
             return None
         graph = captured.graph_module.graph
         larger = [planned for planned, _ in self._planned.values()
                   if planned.captured.autocast == captured.autocast and planned.captured.sharding is None
+                  and planned.plan.grads_held == grads_held
                   and no_larger_than(graph, planned.captured.graph_module.graph)]
         return min(larger, key=lambda planned: planned.plan.eager_peak_bytes, default=None)
 
@@ -1292,6 +1332,7 @@ class OptimizedModule(torch.nn.Module):
         part_options = {**options, "loss_fn": None, "hold_outputs": True}  # the rest of the model holds outputs
         pose_options = {k: part_options[k] for k in ("loss_fn", "optimizer", "ddp", "max_stages",
                                                      "profile_repeats", "hold_outputs", "granularity")}
+        pose_options["grads_held"] = self._grads_held_now()
         posed = {path: pose(captured, **pose_options) for path, captured in found.items()}
         can_shed = {path: simulate(p.problem, Schedule.store_all(p.problem.num_stages)).peak_bytes
                     - solvers.minimum_peak(p.problem) for path, p in posed.items()}  # the most each part saves
@@ -1317,7 +1358,18 @@ class OptimizedModule(torch.nn.Module):
         return parts
 
     def _key(self, args: tuple, kwargs: dict, sharded: tuple | None) -> tuple:
-        return plan_key(input_signature(args, kwargs), autocast_state(), sharded, self._hooks_now())
+        key = plan_key(input_signature(args, kwargs), autocast_state(), sharded, self._hooks_now())
+        return (*key, GRADS_HELD) if sharded is None and self._grads_held_now() else key
+
+    def _grads_held_now(self) -> bool:
+        """Whether this step begins with gradients held (``grads_held``, or by default whether any trained
+        parameter holds one now: a micro-batch after the first, or after ``zero_grad(set_to_none=False)``)."""
+        chosen = self._options.get("grads_held")
+        if chosen is not None:
+            return chosen
+        if self._parameters_listed is None:
+            self._parameters_listed = tuple(self.model.parameters())
+        return any(p.grad is not None and p.requires_grad for p in self._parameters_listed)
 
     def _hooks_now(self) -> tuple:
         if self._modules_listed is None:
@@ -1375,6 +1427,7 @@ class OptimizedModule(torch.nn.Module):
             optimized._planned.clear()
             optimized._reused_calls.clear()
             optimized._modules_listed = None
+            optimized._parameters_listed = None
             optimized._last = None
 
     def uninstall(self) -> None:
@@ -1485,7 +1538,7 @@ def optimize(model: torch.nn.Module, budget: int | str | None, example_inputs: A
              hold_outputs: bool = True, device: str | DeviceSpec | None = None,
              allocator_margin: float | None = None, ddp: bool = False,
              granularity: str | Granularity = Granularity.BLOCK, compile: bool | dict = False,
-             in_place: bool = False, reuse_plans: bool = True) -> OptimizedModule:
+             in_place: bool = False, reuse_plans: bool = True, grads_held: bool | None = None) -> OptimizedModule:
     """Return a module that trains ``model``'s own parameters within ``budget`` with the least recomputation.
 
     Parameters
@@ -1542,6 +1595,13 @@ def optimize(model: torch.nn.Module, budget: int | str | None, example_inputs: A
         its own, for the same budget, once its calls have spent on recomputation what planning took.
         ``False``: plan each new shape anew (the least recomputation for each; each takes a profile). Not with
         ``compile=``.
+    grads_held : whether a step begins with the parameters holding gradients, as every micro-batch of gradient
+        accumulation after the first does (and every step after ``zero_grad(set_to_none=False)``): the gradients
+        are then fixed memory through the step (a GPT-2's 0.5 GB of them in fp32), and each new one a temporary
+        that the backward adds into them. ``None`` (the default) looks at each call: a call that begins with a
+        trained parameter holding a gradient runs a plan made for that (planned on first need, as for a new input
+        shape), the others the plan made without. ``True`` or ``False`` plans every call one way. Not modelled
+        under FSDP, whose plans are made without.
 
     Under FSDP2, ``fully_shard`` the blocks and then the model (or the module this returns), before or after this
     call: the plan is made for this rank's share (a sharded model plans again on its first call; without
@@ -1551,7 +1611,8 @@ def optimize(model: torch.nn.Module, budget: int | str | None, example_inputs: A
     options = dict(loss_fn=loss_fn, optimizer=optimizer, solver=solver, max_stages=max_stages,
                    profile_repeats=profile_repeats, solver_options=solver_options, hold_outputs=hold_outputs,
                    device=device, allocator_margin=allocator_margin, ddp=ddp,
-                   granularity=granularity_of(granularity), compile=_compile_options(compile, device))
+                   granularity=granularity_of(granularity), compile=_compile_options(compile, device),
+                   grads_held=grads_held)
     if budget is not None:
         parse_budget(budget)  # fail early on a malformed budget
     optimized = OptimizedModule(model, budget, planner_options=options, reuse_plans=reuse_plans)
@@ -1560,6 +1621,14 @@ def optimize(model: torch.nn.Module, budget: int | str | None, example_inputs: A
     if in_place:
         _install(optimized)
     return optimized
+
+
+GRADS_HELD = "grads held"  # the last item of the key of a plan made for steps that begin with gradients held
+
+
+def _stored_key(planned: Planned) -> tuple:
+    """The key an :class:`OptimizedModule` keeps ``planned`` under (see ``OptimizedModule._key``)."""
+    return (*planned.captured.key, GRADS_HELD) if planned.plan.grads_held else planned.captured.key
 
 
 def _replannable_budget(plan: Plan) -> int | str:

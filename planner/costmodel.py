@@ -1039,6 +1039,34 @@ def scale_seconds(problem: Problem, factor: float) -> Problem:
     return dataclasses.replace(problem, stages=stages, tensors=tensors)
 
 
+def with_seconds_of(problem: Problem, timed: Problem) -> Problem:
+    """``problem`` with every time of ``timed``, a problem posed for the same stages and recompute options (the
+    same graph, its memory measured another way: with gradients held): forward, backward and recomputation times,
+    the checkpoint machinery's costs; its memory stays its own. Raises ``ValueError`` where the two differ in
+    stages or options.
+
+    >>> memory = Problem((Stage("s", 1.0, 2.0, grad_bytes=0),), (), fixed_bytes=500)
+    >>> times = Problem((Stage("s", 1.5, 2.5, grad_bytes=100),), (), region_seconds=0.25)
+    >>> both = with_seconds_of(memory, times)
+    >>> both.stages[0].forward_seconds, both.stages[0].grad_bytes, both.fixed_bytes, both.region_seconds
+    (1.5, 0, 500, 0.25)
+    """
+    def shape(p: Problem) -> list:
+        return [(s.name, [o.name for o in s.recompute_options]) for s in p.stages] + [t.name for t in p.tensors]
+    if shape(problem) != shape(timed):
+        raise ValueError("the problems differ in their stages, options or tensors")
+    stages = tuple(dataclasses.replace(
+        s, forward_seconds=t.forward_seconds, backward_seconds=t.backward_seconds,
+        early_stop_seconds=t.early_stop_seconds,
+        options=tuple(dataclasses.replace(o, recompute_seconds=to.recompute_seconds)
+                      for o, to in zip(s.recompute_options, t.recompute_options)))
+        for s, t in zip(problem.stages, timed.stages))
+    tensors = tuple(dataclasses.replace(x, seconds=t.seconds) for x, t in zip(problem.tensors, timed.tensors))
+    return dataclasses.replace(problem, stages=stages, tensors=tensors, region_seconds=timed.region_seconds,
+                               per_step_seconds=timed.per_step_seconds,
+                               caching_region_seconds=timed.caching_region_seconds)
+
+
 def add_checkpoint_overheads(problem: Problem, checkpoint_seconds: Sequence[float | Sequence[float]],
                              selective_seconds: Sequence[float | Sequence[float]]) -> Problem:
     """Charge each way of recomputing a stage what the checkpoint machinery costs beyond the recomputation itself:

@@ -236,6 +236,12 @@ class Plan:
         return dict(self.extra).get("reused_from")
 
     @property
+    def grads_held(self) -> bool:
+        """Whether the plan is for steps that begin with every trained parameter holding its gradient (gradient
+        accumulation; see ``planner.optimize(..., grads_held=)``): they count as fixed memory."""
+        return bool(dict(self.extra).get("grads_held", False))
+
+    @property
     def planned_budget_bytes(self) -> int | None:
         """The bytes the solver planned against: the budget less the allocator margin.
 
@@ -295,7 +301,8 @@ class Plan:
             + (f" (given as {self.budget_text!r})" if self.budget_text else "")
             + (f", planned for {format_bytes(self.planned_budget_bytes)} leaving {self.allocator_margin:.0%} to the "
                f"allocator" if self.allocator_margin and self.budget_bytes else ""),
-            f"  eager peak      {format_bytes(self.eager_peak_bytes)}",
+            f"  eager peak      {format_bytes(self.eager_peak_bytes)}"
+            + (" (steps that begin with the gradients held: gradient accumulation)" if self.grads_held else ""),
             f"  predicted peak  {format_bytes(self.predicted_peak_bytes)}"
             f" ({self.predicted_peak_bytes / max(self.eager_peak_bytes, 1):.0%} of eager)",
             *([f"  reused          the plan for larger inputs ({self.reused_from}): these peaks and times are "

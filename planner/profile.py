@@ -318,6 +318,16 @@ def sparse_gradient_bytes(gm: fx.GraphModule, flat_args: Sequence[Any]) -> dict[
     return sizes
 
 
+def annotated(gm: fx.GraphModule, profile: GraphProfile) -> GraphProfile:
+    """``profile`` (of a graph with the same nodes) written into ``gm``'s nodes' ``meta["planner"]``, as
+    :func:`profile_graph` writes it; returns it."""
+    by_name = {p.name: p for p in profile.nodes}
+    for n in gm.graph.nodes:
+        if n.name in by_name:
+            n.meta["planner"] = by_name[n.name]
+    return profile
+
+
 def fixed_tensors(gm: fx.GraphModule, flat_args: Sequence[Any]) -> list[torch.Tensor]:
     """Tensors alive throughout a step that the graph does not allocate: parameters, buffers, inputs."""
     tensors = list(gm.parameters()) + list(gm.buffers())
@@ -494,7 +504,8 @@ def measure_stages(captured: CapturedGraph, stage_of: dict[str, int], num_stages
                    hold_outputs: bool = True, stopwatch: Stopwatch | None = None,
                    kernels: Kernels | None = None,
                    resizable: Callable[[], Sequence[torch.Tensor]] | None = None,
-                   created: Mapping[str, Sequence[tuple[str | None, int]]] | None = None) -> StageMeasurement:
+                   created: Mapping[str, Sequence[tuple[str | None, int]]] | None = None,
+                   grads_held: bool = False) -> StageMeasurement:
     """Run eager training steps of the captured graph with stage markers; measure memory once and time ``repeats``.
 
     ``hold_outputs``: whether the model's outputs stay referenced through the backward, as in
@@ -504,11 +515,14 @@ def measure_stages(captured: CapturedGraph, stage_of: dict[str, int], num_stages
     grown in place that the meter counts too (see :class:`~planner.meter.LiveMemoryMeter`). ``created``: per node,
     the name (or None) and bytes of each storage it allocates, in order (:func:`~planner.costmodel.created_tensors`):
     the metered step names them so, where they match, to tell which were freed where in each stage's backward
-    (``StageMeasurement.backward_releases``).
+    (``StageMeasurement.backward_releases``). ``grads_held``: every trained parameter holds a gradient when the
+    step begins, as in gradient accumulation's later micro-batches (allocated before the meter starts, so not
+    counted: the caller counts them as fixed); the backward adds into them, each new gradient a temporary.
     """
     gm = captured.graph_module
     flat = flat_call_args(captured, captured.example_args, captured.example_kwargs)
     loss_of = loss_fn or default_loss
+    held = {p: torch.zeros_like(p) for p in gm.parameters() if p.requires_grad} if grads_held else {}
 
     def one_step(on_forward, on_backward_start, on_backward_done, on_first_unpack=None, labelling=None):
         with casts_uncached():  # as the planned module runs
@@ -530,12 +544,14 @@ def measure_stages(captured: CapturedGraph, stage_of: dict[str, int], num_stages
             loss.backward(seed)
         sparse = sparse_gradient_bytes(gm, flat)
         for p in gm.parameters():
-            p.grad = None
+            p.grad = held.get(p)
         return (storage_bytes([seed]) + (0 if id(loss.untyped_storage()) in held_outputs else storage_bytes([loss])),
                 sparse)
 
     on_cuda = any(t.is_cuda for t in list(gm.parameters()) + [x for x in flat if isinstance(x, torch.Tensor)])
     with preserved_training_state(gm):
+        for p, grad in held.items():
+            p.grad = grad
         return _measure(one_step, num_stages, repeats, stopwatch or WallStopwatch(), on_cuda, resizable, created)
 
 

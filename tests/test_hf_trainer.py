@@ -92,7 +92,7 @@ def test_switching_hugging_face_checkpointing_on_and_off_keeps_the_plan(planned)
         hugging_face_checkpointing(model, True)
         hugging_face_checkpointing(model, False)
         opt(input_ids=ids, labels=ids, num_items_in_batch=count).loss.backward()
-    model.zero_grad(set_to_none=True)
+        model.zero_grad(set_to_none=True)  # a step that begins with gradients held has a plan of its own
     assert opt.planned is first and len(opt._planned) == 1
 
 
