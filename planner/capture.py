@@ -22,6 +22,7 @@ import inspect
 import io
 import logging
 import operator
+import random
 import sys
 import warnings
 from dataclasses import dataclass
@@ -511,6 +512,41 @@ class _NoUserCodeFilter(logging.Filter):
 
 
 @contextlib.contextmanager
+def _python_draws_recorded() -> Iterator[list[str]]:
+    """Which of Python's and NumPy's global random generators the code inside drew from (the list it yields, filled
+    on exit); both are put back as they were, so that capturing draws nothing for the caller.
+
+    >>> import random
+    >>> before = random.random()
+    >>> with _python_draws_recorded() as drawn:
+    ...     _ = random.random()
+    >>> drawn
+    ["Python's random module"]
+    >>> with _python_draws_recorded() as drawn:
+    ...     pass
+    >>> drawn
+    []
+    """
+    numpy = sys.modules.get("numpy")
+    python_state = random.getstate()
+    numpy_state = numpy.random.get_state() if numpy is not None else None
+    drawn: list[str] = []
+    try:
+        yield drawn
+    finally:
+        if random.getstate() != python_state:
+            drawn.append("Python's random module")
+            random.setstate(python_state)
+        if numpy_state is not None and not _same_numpy_state(numpy.random.get_state(), numpy_state):
+            drawn.append("NumPy's global generator")
+            numpy.random.set_state(numpy_state)
+
+
+def _same_numpy_state(a: tuple, b: tuple) -> bool:
+    return a[0] == b[0] and (a[1] == b[1]).all() and tuple(a[2:]) == tuple(b[2:])
+
+
+@contextlib.contextmanager
 def _export_failure_unprinted() -> Iterator[None]:
     """What Python writes to ``sys.stderr`` inside, written there after it, but for what ``torch.export`` prints
     when it fails on data-dependent control flow: the partial graph, the whole traced forward a line per op (1,500
@@ -593,7 +629,8 @@ def capture(model: torch.nn.Module, example_args: tuple, example_kwargs: dict | 
     was_training = model.training
     try:
         with _cache_dropped(model, kwargs), functions_kept_whole(), reentrant_checkpoints_traced(), \
-                _tensor_hooks_recorded() as tensor_hooks, _export_failure_unprinted():
+                _tensor_hooks_recorded() as tensor_hooks, _export_failure_unprinted(), \
+                _python_draws_recorded() as python_draws:
             exported = torch.export.export(model, *unaliased(args, kwargs), strict=False)
     except Exception as exc:  # export raises many types; all mean the same to the user
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
@@ -605,6 +642,13 @@ def capture(model: torch.nn.Module, example_args: tuple, example_kwargs: dict | 
     finally:
         model.train(was_training)
     _check_gradients_kept(model, tensor_hooks)
+    if python_draws:
+        raise PlannerError(
+            f"the forward of {type(model).__name__} draws from {' and '.join(python_draws)} (a layer skipped at "
+            f"random, say), which a captured graph cannot repeat: it would run the choices of this one call on "
+            f"every step",
+            hint="draw with torch instead (torch.rand(()) < p): the model is then planned in parts, and its "
+                 "forward makes the choice each step")
     graph_module, autocast = exported.module(), autocast_state()
     restore_attention(graph_module, model)  # is_causal and enable_gqa where Hugging Face passes them eagerly
     if replay_dropout and not autocast:  # under autocast the attention's math path casts its inputs: one op

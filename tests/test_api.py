@@ -230,6 +230,25 @@ def test_in_place_the_model_itself_trains_under_the_plan(model):
         opt.uninstall()
 
 
+def test_a_model_that_skips_layers_at_random_makes_its_choice_each_step():
+    """Its forward draws from Python's ``random``, so it is planned in parts: the forward runs eagerly and draws
+    each step, where a captured graph ran the layers of the one draw made while capturing."""
+    import random
+
+    from tests.test_capture import SkipsAtRandom
+    torch.manual_seed(0)
+    model = SkipsAtRandom(random.random)
+    reference = copy.deepcopy(model)
+    x = torch.randn(64, 8)
+    with pytest.warns(PartialCaptureWarning, match="Python's random module"):
+        opt = planner.optimize(model, "100%", example_inputs=(x,), profile_repeats=1)
+    for seed in range(4):
+        random.seed(seed)
+        expected = reference(x)
+        random.seed(seed)
+        assert torch.equal(opt(x), expected)
+
+
 def test_a_model_planned_in_place_in_parts_runs_its_hooked_parts_eagerly():
     torch.manual_seed(0)
     model = torch.nn.Sequential(Blocks(), Blocks())

@@ -74,6 +74,41 @@ class SaysThenBranches(Branchy):
         return super().forward(x, scale)
 
 
+class SkipsAtRandom(torch.nn.Module):
+    """Residual blocks each skipped with probability one half, drawn from Python's or NumPy's generator."""
+
+    def __init__(self, draw):
+        super().__init__()
+        self.draw = draw
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(4))
+
+    def forward(self, x):
+        for layer in self.layers:
+            if not (self.training and self.draw() < 0.5):
+                x = x + layer(x)
+        return x
+
+
+@pytest.mark.parametrize("generator", ["python", "numpy"])
+def test_a_forward_that_draws_from_python_or_numpy_is_not_captured_and_draws_nothing_for_the_caller(generator):
+    """Export runs the forward once, so a layer skipped at ``random.random() < p`` was captured skipped or kept
+    for good: the planned module ran that one draw's layers on every step (outputs 1.4-2.2 apart from eager's)."""
+    import random
+
+    import numpy as np
+    draw = random.random if generator == "python" else np.random.rand
+    random.seed(0)
+    np.random.seed(0)
+    expected = random.random(), np.random.rand()
+    random.seed(0)
+    np.random.seed(0)
+    with pytest.raises(PlannerError, match="Python's random module" if generator == "python" else "NumPy"):
+        capture(SkipsAtRandom(draw), (torch.randn(2, 8),))
+    assert (random.random(), np.random.rand()) == expected
+    model = SkipsAtRandom(draw).eval()  # in eval it draws nothing: captured as usual
+    assert capture(model, (torch.randn(2, 8),)).graph_module is not None
+
+
 def test_a_failed_capture_leaves_stderr_to_the_model_not_to_exports_partial_graph(capsys, caplog):
     """torch.export prints the whole forward traced so far to stderr, twice, when it stops at data-dependent
     control flow, and logs that it found no user code for the symbol; a model planned in parts after such a failure
