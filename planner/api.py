@@ -33,7 +33,8 @@ from .attention import without_unmasking_mask
 from .budget import Budget, format_bytes, parse_budget
 from .compiled import CompiledFit, fit_plans
 from .capture import (CapturedGraph, autocast_state, capture, casts_uncached, hooks_signature, input_signature,
-                      is_layout_copy, mutated_nodes, no_larger_than, outside_autocast, placed_stage_nodes, plan_key)
+                      is_layout_copy, mutated_nodes, no_larger_than, outside_autocast, placed_stage_nodes, plan_key,
+                      numbers_kept)
 from .devices import DeviceSpec, device_spec, spec_for_gpu
 from .meta import device_type_of, meta_copy, target_kernels, tensors_of
 from .timing import AnalyticStopwatch, Estimate, stopwatch_for
@@ -1318,9 +1319,10 @@ class OptimizedModule(torch.nn.Module):
                                f"{type(self.model).__name__} does not ({error.message})",
                                hint="drop compile= and torch.compile the module optimize() returns") from None
         try:
-            recorded = record_calls(self.model, args, kwargs, loss_fn=options["loss_fn"],
-                                    extra_fixed_bytes=training_state_bytes(self.model, options["optimizer"],
-                                                                           options["ddp"]))
+            with numbers_kept(self.model):  # a step of planning's: the caller's counters and generators stay
+                recorded = record_calls(self.model, args, kwargs, loss_fn=options["loss_fn"],
+                                        extra_fixed_bytes=training_state_bytes(self.model, options["optimizer"],
+                                                                               options["ddp"]))
         except Exception:
             raise error from None  # the inputs do not fit the model at all
         found = capturable_parts(self.model, recorded.calls)

@@ -489,6 +489,69 @@ def _tensor_hooks_recorded() -> Iterator[list[Any]]:
         torch.Tensor.register_hook = register_hook
 
 
+@contextlib.contextmanager
+def _counters_recorded(model: torch.nn.Module) -> Iterator[list[str]]:
+    """The numbers (``int``, ``float``, ``bool`` attributes of ``model``'s modules, ``training`` aside) that its
+    forward changed, by path (the list it yields, filled on exit): a captured graph reads each as the constant it
+    was, and never changes it (a step counter that a warm-up reads would stay where it was). Read at the end of the
+    forward, as export puts the attributes back after.
+
+    >>> class Counting(torch.nn.Module):
+    ...     def __init__(self):
+    ...         super().__init__()
+    ...         self.steps = 0
+    ...     def forward(self, x):
+    ...         self.steps += 1
+    ...         return x * self.steps
+    >>> model = Counting()
+    >>> with _counters_recorded(model) as changed:
+    ...     _ = model(torch.ones(2))
+    >>> changed
+    ['steps']
+    """
+    before, after = _numbers(model), {}
+
+    def at_the_end(module, args, output):
+        after.update(_numbers(model))
+    handle = model.register_forward_hook(at_the_end)
+    changed: list[str] = []
+    try:
+        yield changed
+    finally:
+        handle.remove()
+        changed.extend(name for name, (_, _, value) in after.items()
+                       if name in before and before[name][2] != value)
+
+
+def _numbers(model: torch.nn.Module) -> dict[str, tuple[torch.nn.Module, str, Any]]:
+    """The ``int``, ``float`` and ``bool`` attributes of ``model``'s modules but ``training``, by path: the module,
+    the name and the value of each."""
+    return {f"{path}.{name}" if path else name: (module, name, value) for path, module in model.named_modules()
+            for name, value in vars(module).items() if type(value) in (int, float, bool) and name != "training"}
+
+
+@contextlib.contextmanager
+def numbers_kept(model: torch.nn.Module) -> Iterator[None]:
+    """Run an eager step that is not the caller's (planning's measurements): the numbers its forward changes
+    (see :func:`_counters_recorded`) are put back after, as are Python's and NumPy's generators
+    (:func:`python_draws_recorded`).
+
+    >>> model = torch.nn.Linear(2, 2)
+    >>> model.steps = 0
+    >>> with numbers_kept(model):
+    ...     model.steps += 1
+    >>> model.steps
+    0
+    """
+    before = _numbers(model)
+    try:
+        with python_draws_recorded():
+            yield
+    finally:
+        for module, name, value in before.values():
+            setattr(module, name, value)
+
+
 def _check_gradients_kept(model: torch.nn.Module, hooks: list[Any]) -> None:
     """Raise when the model's forward registered gradient hooks on tensors (:func:`_tensor_hooks_recorded`)."""
     if not hooks:
@@ -512,17 +575,17 @@ class _NoUserCodeFilter(logging.Filter):
 
 
 @contextlib.contextmanager
-def _python_draws_recorded() -> Iterator[list[str]]:
+def python_draws_recorded() -> Iterator[list[str]]:
     """Which of Python's and NumPy's global random generators the code inside drew from (the list it yields, filled
     on exit); both are put back as they were, so that capturing draws nothing for the caller.
 
     >>> import random
     >>> before = random.random()
-    >>> with _python_draws_recorded() as drawn:
+    >>> with python_draws_recorded() as drawn:
     ...     _ = random.random()
     >>> drawn
     ["Python's random module"]
-    >>> with _python_draws_recorded() as drawn:
+    >>> with python_draws_recorded() as drawn:
     ...     pass
     >>> drawn
     []
@@ -630,7 +693,7 @@ def capture(model: torch.nn.Module, example_args: tuple, example_kwargs: dict | 
     try:
         with _cache_dropped(model, kwargs), functions_kept_whole(), reentrant_checkpoints_traced(), \
                 _tensor_hooks_recorded() as tensor_hooks, _export_failure_unprinted(), \
-                _python_draws_recorded() as python_draws:
+                python_draws_recorded() as python_draws, _counters_recorded(model) as counters:
             exported = torch.export.export(model, *unaliased(args, kwargs), strict=False)
     except Exception as exc:  # export raises many types; all mean the same to the user
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
@@ -649,6 +712,13 @@ def capture(model: torch.nn.Module, example_args: tuple, example_kwargs: dict | 
             f"every step",
             hint="draw with torch instead (torch.rand(()) < p): the model is then planned in parts, and its "
                  "forward makes the choice each step")
+    if counters:
+        raise PlannerError(
+            f"the forward of {type(model).__name__} changes {', '.join(counters[:3])}"
+            f"{' and more' if len(counters) > 3 else ''}, which a captured graph would neither change nor read "
+            f"again: it would run with the value of this one call on every step",
+            hint="keep such state in a buffer (register_buffer) that forward updates in place, or change it "
+                 "outside forward; optimize() plans the model's parts and runs its forward eagerly")
     graph_module, autocast = exported.module(), autocast_state()
     restore_attention(graph_module, model)  # is_causal and enable_gqa where Hugging Face passes them eagerly
     if replay_dropout and not autocast:  # under autocast the attention's math path casts its inputs: one op

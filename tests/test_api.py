@@ -249,6 +249,20 @@ def test_a_model_that_skips_layers_at_random_makes_its_choice_each_step():
         assert torch.equal(opt(x), expected)
 
 
+def test_a_model_that_counts_its_calls_counts_them_each_step_and_not_while_planning():
+    from tests.test_capture import WarmsUp
+    torch.manual_seed(0)
+    model = WarmsUp()
+    reference = copy.deepcopy(model)
+    x = torch.randn(64, 8)
+    with pytest.warns(PartialCaptureWarning, match="changes calls"):
+        opt = planner.optimize(model, "100%", example_inputs=(x,), profile_repeats=1)
+    assert model.calls == 0  # planning's eager step put it back
+    for _ in range(4):
+        assert torch.equal(opt(x), reference(x))
+    assert model.calls == reference.calls == 4
+
+
 def test_a_model_planned_in_place_in_parts_runs_its_hooked_parts_eagerly():
     torch.manual_seed(0)
     model = torch.nn.Sequential(Blocks(), Blocks())

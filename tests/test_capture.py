@@ -109,6 +109,34 @@ def test_a_forward_that_draws_from_python_or_numpy_is_not_captured_and_draws_not
     assert capture(model, (torch.randn(2, 8),)).graph_module is not None
 
 
+class WarmsUp(torch.nn.Module):
+    """Scales its blocks by how many training calls it has seen, up to ``warmup``: a Python counter."""
+
+    def __init__(self, warmup=3):
+        super().__init__()
+        self.calls, self.warmup, self.tag = 0, warmup, "warm"
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(4))
+
+    def forward(self, x):
+        if self.training:
+            self.calls += 1
+        self.warmup = self.warmup  # set again, unchanged: not a change
+        scale = min(1.0, self.calls / self.warmup)
+        for layer in self.layers:
+            x = x + scale * layer(x)
+        return x
+
+
+def test_a_forward_that_changes_a_number_on_the_model_is_not_captured():
+    """The graph reads ``self.calls`` as the constant of the call export traced and never adds to it: the planned
+    module's blocks stayed scaled by the first call's 1/3 for good, where eager's reach 1 on the third step."""
+    model = WarmsUp()
+    with pytest.raises(PlannerError, match="changes calls, which a captured graph"):
+        capture(model, (torch.randn(2, 8),))
+    assert model.calls == 0  # export put it back
+    assert capture(model.eval(), (torch.randn(2, 8),)).graph_module is not None  # in eval it counts nothing
+
+
 def test_a_failed_capture_leaves_stderr_to_the_model_not_to_exports_partial_graph(capsys, caplog):
     """torch.export prints the whole forward traced so far to stderr, twice, when it stops at data-dependent
     control flow, and logs that it found no user code for the symbol; a model planned in parts after such a failure
