@@ -48,7 +48,8 @@ from .problem import Problem, RecomputeOption, Region, Schedule, recompute_secon
 from .meter import device_allocator_peak_bytes
 from .profile import (GraphProfile, StageMeasurement, annotated, default_loss, measure_stages, paired_step_seconds,
                       preserved_training_state, profile_graph)
-from .parts import PartialCaptureWarning, ReducedBudget, capturable_parts, parts_planned, record_calls
+from .parts import (PartialCaptureWarning, ReducedBudget, capturable_parts, parts_planned, record_calls,
+                    step_peak_bytes)
 from .rewrite import apply_plan
 from .solvers.baselines import block_checkpoints
 from . import fsdp, solvers
@@ -1336,28 +1337,78 @@ class OptimizedModule(torch.nn.Module):
                                                      "profile_repeats", "hold_outputs", "granularity")}
         pose_options["grads_held"] = self._grads_held_now()
         posed = {path: pose(captured, **pose_options) for path, captured in found.items()}
+
+        def planned_parts(budgets: dict[str, Budget], solvers_used: dict[str, str]) -> dict[str, OptimizedModule]:
+            made = {}
+            for path, captured in found.items():
+                module = self.model.get_submodule(path)
+                part = OptimizedModule(module, budgets[path], planner_options=part_options)
+                part.add_plan(_plan_captured(module, captured, part.budget, posed=posed[path],
+                                             **{**part_options, "solver": solvers_used.get(path, part_options["solver"])}))
+                made[path] = part
+            return made
+
+        def measured_peak(parts: dict[str, OptimizedModule]) -> int:
+            with numbers_kept(self.model):
+                return step_peak_bytes(self.model, args, kwargs, loss_fn=options["loss_fn"], parts=parts,
+                                       extra_fixed_bytes=training_state_bytes(self.model, options["optimizer"],
+                                                                              options["ddp"]))
+
         can_shed = {path: simulate(p.problem, Schedule.store_all(p.problem.num_stages)).peak_bytes
-                    - solvers.minimum_peak(p.problem) for path, p in posed.items()}  # the most each part saves
-        if sum(can_shed.values()) < shed:
-            smallest = recorded.eager_peak_bytes - sum(can_shed.values())
-            raise InfeasibleBudgetError(
-                f"planning {type(self.model).__name__} in parts ({', '.join(found)}) for budget {whole.text!r}: "
-                f"the parts can shed {format_bytes(sum(can_shed.values()))} of the eager peak "
-                f"{format_bytes(recorded.eager_peak_bytes)}, the budget needs {format_bytes(shed)} shed",
-                hint=f"use a budget of at least {format_bytes(smallest)} ({smallest} bytes)",
-                minimum_budget_bytes=smallest)
-        parts = {}
-        for path, captured in found.items():  # the saving is shared out in proportion to what each part can shed
-            share = round(shed * can_shed[path] / max(1, sum(can_shed.values())))
-            module = self.model.get_submodule(path)
-            part = OptimizedModule(module, ReducedBudget(f"{whole.text}, shedding {share} bytes here",
-                                                         reduce_bytes=share), planner_options=part_options)
-            part.add_plan(_plan_captured(module, captured, part.budget, posed=posed[path], **part_options))
-            parts[path] = part
+                    - solvers.minimum_peak(p.problem) for path, p in posed.items()}  # what each lowers its own peak
+        parts = None
+        if sum(can_shed.values()) >= shed:  # each part lowers its own peak by a share of what the step must shed
+            shares = {path: round(shed * can_shed[path] / max(1, sum(can_shed.values()))) for path in found}
+            parts = planned_parts({path: ReducedBudget(f"{whole.text}, shedding {share} bytes here",
+                                                       reduce_bytes=share) for path, share in shares.items()}, {})
+            if shed and measured_peak(parts) > budget_bytes:
+                parts = None
+        if parts is None:  # what the parts hold from their forward to their backward, while the others run
+            parts = self._parts_checkpointed_whole(found, posed, planned_parts, measured_peak, budget_bytes, whole,
+                                                   recorded.eager_peak_bytes)
         warnings.warn(PartialCaptureWarning(
             f"{type(self.model).__name__} does not capture as a whole ({error.message}); planned its parts "
             f"{', '.join(parts)} to shed {format_bytes(shed)} together, and runs the rest eagerly"), stacklevel=4)
         return parts
+
+    def _parts_checkpointed_whole(self, found: dict[str, CapturedGraph], posed: dict[str, Posed], planned_parts,
+                                  measured_peak, budget_bytes: int, whole: Budget,
+                                  eager_peak_bytes: int) -> dict[str, "OptimizedModule"]:
+        """Parts each checkpointed whole (the ``"whole"`` baseline: only their inputs and outputs kept from their
+        forward to their backward), the fewest that bring the measured step within ``budget_bytes``, cheapest
+        first (the least forward time per byte they save for their backward), the rest stored: a part that is one
+        block lowers its own peak by nothing, as its backward begins with its activations made again, but not
+        holding them while the other parts run lowers the step's. A binary search over how many, one measured
+        eager step each; raises :class:`InfeasibleBudgetError` with the measured peak of all checkpointed."""
+        def cost_per_byte(path: str) -> float:
+            problem = posed[path].problem
+            held = sum(t.nbytes for t in problem.tensors if t.savers and not t.returned)
+            return sum(s.forward_seconds for s in problem.stages) / held if held else float("inf")
+        order = sorted(found, key=cost_per_byte)
+
+        def with_first(count: int) -> tuple[int, dict[str, OptimizedModule]]:
+            chosen = {path: "whole" if i < count else "store_all" for i, path in enumerate(order)}
+            fates = {"whole": "checkpointed whole", "store_all": "stored"}
+            parts = planned_parts({path: ReducedBudget(f"{whole.text}, {fates[chosen[path]]} here")
+                                   for path in found}, chosen)
+            return measured_peak(parts), parts
+        low, high = 0, len(order)  # with the first ``high`` checkpointed the step fits, or nothing does
+        smallest, fitting = with_first(high)
+        if smallest > budget_bytes:
+            raise InfeasibleBudgetError(
+                f"planning {type(self.model).__name__} in parts ({', '.join(found)}) for budget {whole.text!r}: "
+                f"with every part checkpointed whole its step measured {format_bytes(smallest)}, of "
+                f"{format_bytes(eager_peak_bytes)} eager, over the {format_bytes(budget_bytes)} budget",
+                hint=f"use a budget of at least {format_bytes(smallest)} ({smallest} bytes)",
+                minimum_budget_bytes=smallest)
+        while high - low > 1:
+            middle = (low + high) // 2
+            peak, parts = with_first(middle)
+            if peak <= budget_bytes:
+                high, fitting = middle, parts
+            else:
+                low = middle
+        return fitting
 
     def _key(self, args: tuple, kwargs: dict, sharded: tuple | None) -> tuple:
         key = plan_key(input_signature(args, kwargs), autocast_state(), sharded, self._hooks_now())
@@ -1553,7 +1604,7 @@ def optimize(model: torch.nn.Module, budget: int | str | None, example_inputs: A
         module plans on its first call and again whenever the input signature changes.
     optimizer : counted into the budget (AdamW keeps two fp32 tensors per parameter).
     solver : ``"auto"``, ``"ilp"``, ``"dp"`` or a baseline (``"uniform"``, ``"chen_sqrt"``, ``"store_all"``,
-        ``"fewest_blocks"``).
+        ``"fewest_blocks"``, ``"whole"``).
     loss_fn : turns the model's output into the loss for profiling; by default the first scalar output (the
         ``loss`` of Hugging Face models given ``labels``), else the sum of the outputs.
     max_stages, profile_repeats, solver_options : how finely to cut the model, how many timed profiling runs,

@@ -11,7 +11,7 @@ from planner.errors import InfeasibleBudgetError, PlannerError
 from planner.plan import SolverStatus
 from planner.problem import Schedule, simulate
 from planner.solvers.baselines import (checkpoint_prefix, chen_sqrt, fewest_blocks, infeasible_budget_error,
-                                       solve_baseline, store_all, uniform)
+                                       solve_baseline, store_all, uniform, whole)
 from tests.solver_problems import random_chain, random_dag
 
 
@@ -24,6 +24,20 @@ def test_chen_sqrt_checkpoints_equal_segments_and_stores_the_last(n):
     tail = n - (regions[-1].stop if regions else 0)
     assert 1 <= tail <= size
     assert all(r.options == () for r in regions)
+
+
+@pytest.mark.parametrize("maker", [random_chain, random_dag])
+def test_whole_is_one_region_that_holds_no_activation_into_the_backward(maker):
+    """What a part of a model planned in parts keeps while the other parts run: nothing it made, once its
+    forward is done; its last stage begins the backward with the whole region made again."""
+    problem = maker(8, seed=3)
+    assert [(r.start, r.stop, r.options) for r in whole(problem).regions] == [(0, 8, ())]
+    stored = simulate(problem, store_all(problem)).events
+    checkpointed = simulate(problem, whole(problem)).events
+    last_forward = [e for e in checkpointed if e.phase.value == "forward"][-1]
+    assert last_forward.activation_bytes <= [e for e in stored if e.phase.value == "forward"][-1].activation_bytes
+    assert solve_baseline(problem, "whole").predicted_recompute_seconds > 0
+    assert whole(random_chain(0, seed=0)).regions == ()
 
 
 @pytest.mark.parametrize("maker", [random_chain, random_dag])

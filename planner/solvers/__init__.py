@@ -21,7 +21,7 @@ Every plan reports ``gap`` and ``lower_bound_seconds``: no plan within the budge
 >>> solve(problem, 250, method="magic")
 Traceback (most recent call last):
 ...
-planner.errors.PlannerError: unknown solver method 'magic'. Hint: choose one of auto, ilp, dp, store_all, uniform, chen_sqrt, fewest_blocks
+planner.errors.PlannerError: unknown solver method 'magic'. Hint: choose one of auto, ilp, dp, store_all, uniform, chen_sqrt, fewest_blocks, whole
 """
 
 from __future__ import annotations

@@ -32,7 +32,7 @@ from ..errors import InfeasibleBudgetError, PlannerError
 from ..plan import Plan, SolverStatus
 from ..problem import Problem, Schedule, simulate
 
-BASELINES = ("store_all", "uniform", "chen_sqrt", "fewest_blocks")
+BASELINES = ("store_all", "uniform", "chen_sqrt", "fewest_blocks", "whole")
 
 
 def store_all(problem: Problem) -> Schedule:
@@ -53,6 +53,18 @@ def uniform(problem: Problem) -> Schedule:
     [(0, 1), (1, 2)]
     """
     return Schedule.uniform(problem.num_stages)
+
+
+def whole(problem: Problem) -> Schedule:
+    """All stages one region, recomputed entirely: ``torch.utils.checkpoint`` around the whole module, which keeps
+    only its inputs and outputs from its forward to its backward (how a model planned in parts sheds memory across
+    parts: :func:`planner.api.optimize`).
+
+    >>> from planner.problem import Problem, Stage
+    >>> [(r.start, r.stop) for r in whole(Problem((Stage("a", 1.0, 2.0), Stage("b", 1.0, 2.0)), ())).regions]
+    [(0, 2)]
+    """
+    return Schedule.from_segments([(0, problem.num_stages)] if problem.num_stages else [])
 
 
 def chen_sqrt(problem: Problem) -> Schedule:
@@ -125,14 +137,14 @@ def fewest_blocks(problem: Problem, budget_bytes: int) -> Schedule | None:
 
 
 _RULES: dict[str, Callable[[Problem], Schedule]] = {
-    "store_all": store_all, "uniform": uniform, "chen_sqrt": chen_sqrt,
+    "store_all": store_all, "uniform": uniform, "chen_sqrt": chen_sqrt, "whole": whole,
 }
 
 
 def solve_baseline(problem: Problem, name: str, budget_bytes: int | None = None) -> Plan:
     """Apply the baseline ``name`` and evaluate it.
 
-    Fixed rules (``store_all``, ``uniform``, ``chen_sqrt``) ignore the budget but record it in the plan, so a caller
+    Fixed rules (``store_all``, ``uniform``, ``chen_sqrt``, ``whole``) ignore the budget but record it in the plan, so a caller
     can compare ``predicted_peak_bytes`` with it. ``fewest_blocks`` needs the budget and raises
     :class:`~planner.errors.InfeasibleBudgetError` when no prefix fits, with the smallest peak a prefix reaches.
 
@@ -140,7 +152,7 @@ def solve_baseline(problem: Problem, name: str, budget_bytes: int | None = None)
     >>> solve_baseline(Problem((Stage("a", 1.0, 2.0),), ()), "sqrt")
     Traceback (most recent call last):
     ...
-    planner.errors.PlannerError: unknown baseline 'sqrt'. Hint: choose one of store_all, uniform, chen_sqrt, fewest_blocks
+    planner.errors.PlannerError: unknown baseline 'sqrt'. Hint: choose one of store_all, uniform, chen_sqrt, fewest_blocks, whole
     """
     if name == "fewest_blocks":
         schedule = _fewest_blocks_or_raise(problem, budget_bytes)
