@@ -34,11 +34,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import random
 import sys
 import time
 import warnings
 from typing import Any, Callable, Iterable
 
+import numpy
 import torch
 import torch.nn as nn
 
@@ -270,6 +272,11 @@ CASES: dict[str, Case] = {
                                         max_source_positions=32, max_target_positions=64, decoder_start_token_id=1,
                                         pad_token_id=0, **_ENCODER_DECODER),
                     lambda: {"input_features": torch.randn(4, 8, 64), "labels": torch.randint(0, 64, (4, 48))}),
+    "wav2vec2": Case("transformers", _hf("Wav2Vec2Config", "Wav2Vec2ForCTC", vocab_size=32, hidden_size=32,
+                                         num_hidden_layers=3, num_attention_heads=4, intermediate_size=64,
+                                         conv_dim=(16, 16, 16), conv_stride=(5, 2, 2), conv_kernel=(10, 3, 3),
+                                         num_conv_pos_embeddings=16, num_conv_pos_embedding_groups=4),
+                     lambda: {"input_values": torch.randn(2, 8000), "labels": torch.randint(1, 32, (2, 10))}),
     "swin": Case("transformers", _hf("SwinConfig", "SwinForImageClassification", image_size=32, patch_size=2,
                                      embed_dim=16, depths=[1, 1], num_heads=[2, 2], window_size=4, num_labels=10),
                  _pixels),
@@ -316,7 +323,8 @@ def _loss(output: Any) -> torch.Tensor:
 
 
 def measured_step(run: Callable[[], Any], model: nn.Module, inputs: Iterable[Any], *, seed: int = 0) -> Step:
-    """``run()``'s loss (the output, or its ``loss``), backward, under the meter, from ``seed``; the peak counts
+    """``run()``'s loss (the output, or its ``loss``), backward, under the meter, from ``seed`` (torch's, Python's
+    and NumPy's generators: wav2vec2's SpecAugment draws its masks from NumPy); the peak counts
     ``model``'s parameters and buffers and the tensors among ``inputs``, the gradients and buffers are ``model``'s,
     and its buffers are put back after (``tests/helpers.training_step`` measures the tests' steps with it)."""
     before = {name: b.detach().clone() for name, b in model.named_buffers()}
@@ -328,6 +336,8 @@ def measured_step(run: Callable[[], Any], model: nn.Module, inputs: Iterable[Any
         loss.backward()  # outside autocast, as PyTorch recommends
         losses.append(loss.detach())
     torch.manual_seed(seed)
+    random.seed(seed)
+    numpy.random.seed(seed)
     peak = measure_step_peak(step, model.parameters(), model.buffers(),
                              [x for x in inputs if isinstance(x, torch.Tensor)])
     grads = {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}

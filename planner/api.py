@@ -1356,30 +1356,31 @@ class OptimizedModule(torch.nn.Module):
 
         can_shed = {path: simulate(p.problem, Schedule.store_all(p.problem.num_stages)).peak_bytes
                     - solvers.minimum_peak(p.problem) for path, p in posed.items()}  # what each lowers its own peak
-        parts = None
-        if sum(can_shed.values()) >= shed:  # each part lowers its own peak by a share of what the step must shed
-            shares = {path: round(shed * can_shed[path] / max(1, sum(can_shed.values()))) for path in found}
-            parts = planned_parts({path: ReducedBudget(f"{whole.text}, shedding {share} bytes here",
-                                                       reduce_bytes=share) for path, share in shares.items()}, {})
-            if shed and measured_peak(parts) > budget_bytes:
-                parts = None
-        if parts is None:  # what the parts hold from their forward to their backward, while the others run
+        # each part lowers its own peak by a share of what the step must shed (all it can, where that is too
+        # little: the step's peak need not be where the parts' are), and the step is measured
+        scale = min(1.0, shed / max(1, sum(can_shed.values())))
+        shares = {path: round(can_shed[path] * scale) for path in found}
+        parts = planned_parts({path: ReducedBudget(f"{whole.text}, shedding {share} bytes here", reduce_bytes=share)
+                               for path, share in shares.items()}, {})
+        shared_peak = measured_peak(parts) if shed else 0
+        if shared_peak > budget_bytes:  # what the parts hold from their forward to their backward, while others run
             parts = self._parts_checkpointed_whole(found, posed, planned_parts, measured_peak, budget_bytes, whole,
-                                                   recorded.eager_peak_bytes)
+                                                   recorded.eager_peak_bytes, shared_peak)
         warnings.warn(PartialCaptureWarning(
             f"{type(self.model).__name__} does not capture as a whole ({error.message}); planned its parts "
             f"{', '.join(parts)} to shed {format_bytes(shed)} together, and runs the rest eagerly"), stacklevel=4)
         return parts
 
     def _parts_checkpointed_whole(self, found: dict[str, CapturedGraph], posed: dict[str, Posed], planned_parts,
-                                  measured_peak, budget_bytes: int, whole: Budget,
-                                  eager_peak_bytes: int) -> dict[str, "OptimizedModule"]:
+                                  measured_peak, budget_bytes: int, whole: Budget, eager_peak_bytes: int,
+                                  shared_peak_bytes: int) -> dict[str, "OptimizedModule"]:
         """Parts each checkpointed whole (the ``"whole"`` baseline: only their inputs and outputs kept from their
         forward to their backward), the fewest that bring the measured step within ``budget_bytes``, cheapest
         first (the least forward time per byte they save for their backward), the rest stored: a part that is one
         block lowers its own peak by nothing, as its backward begins with its activations made again, but not
         holding them while the other parts run lowers the step's. A binary search over how many, one measured
-        eager step each; raises :class:`InfeasibleBudgetError` with the measured peak of all checkpointed."""
+        eager step each. Raises :class:`InfeasibleBudgetError` with the lower measured peak of all checkpointed
+        whole and of each part at its own least (``shared_peak_bytes``) when neither fits."""
         def cost_per_byte(path: str) -> float:
             problem = posed[path].problem
             held = sum(t.nbytes for t in problem.tensors if t.savers and not t.returned)
@@ -1393,11 +1394,13 @@ class OptimizedModule(torch.nn.Module):
                                    for path in found}, chosen)
             return measured_peak(parts), parts
         low, high = 0, len(order)  # with the first ``high`` checkpointed the step fits, or nothing does
-        smallest, fitting = with_first(high)
-        if smallest > budget_bytes:
+        all_whole, fitting = with_first(high)
+        if all_whole > budget_bytes:
+            smallest = min(all_whole, shared_peak_bytes)
             raise InfeasibleBudgetError(
                 f"planning {type(self.model).__name__} in parts ({', '.join(found)}) for budget {whole.text!r}: "
-                f"with every part checkpointed whole its step measured {format_bytes(smallest)}, of "
+                f"its step measured {format_bytes(all_whole)} with every part checkpointed whole and "
+                f"{format_bytes(shared_peak_bytes)} with each at its own least peak, of "
                 f"{format_bytes(eager_peak_bytes)} eager, over the {format_bytes(budget_bytes)} budget",
                 hint=f"use a budget of at least {format_bytes(smallest)} ({smallest} bytes)",
                 minimum_budget_bytes=smallest)
