@@ -480,6 +480,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
     threads, calibration = torch.get_num_threads(), planner.api.CALIBRATION_SECONDS
     torch.set_num_threads(args.threads)
     planner.api.CALIBRATION_SECONDS = args.calibration_seconds
+    described = machine()  # with the threads it runs on
     try:
         for name in args.names or list(CASES):
             rows.append(_checked(name, _AUTOCAST[args.autocast]))
@@ -489,7 +490,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
         planner.api.CALIBRATION_SECONDS = calibration
     command = " ".join(["python -m benchmarks.compat", *(argv if argv is not None else sys.argv[1:])])
     precision = "" if args.autocast == "none" else f", under autocast ({args.autocast})"
-    report = (f"# Architectures at their smallest peak{precision}\n\nMachine: {machine()}. Command: `{command}`.\n\n"
+    report = (f"# Architectures at their smallest peak{precision}\n\nMachine: {described}. Command: `{command}`.\n\n"
               f"{table(rows)}\n\n{summary(rows)}\n")
     print(report)
     if args.out:

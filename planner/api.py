@@ -1343,8 +1343,10 @@ class OptimizedModule(torch.nn.Module):
             for path, captured in found.items():
                 module = self.model.get_submodule(path)
                 part = OptimizedModule(module, budgets[path], planner_options=part_options)
+                chosen = {"solver": solvers_used.get(path, part_options["solver"]),
+                          "grads_held": pose_options["grads_held"]}
                 part.add_plan(_plan_captured(module, captured, part.budget, posed=posed[path],
-                                             **{**part_options, "solver": solvers_used.get(path, part_options["solver"])}))
+                                             **{**part_options, **chosen}))
                 made[path] = part
             return made
 
@@ -1358,11 +1360,15 @@ class OptimizedModule(torch.nn.Module):
                     - solvers.minimum_peak(p.problem) for path, p in posed.items()}  # what each lowers its own peak
         # each part lowers its own peak by a share of what the step must shed (all it can, where that is too
         # little: the step's peak need not be where the parts' are), and the step is measured
+        def shared(scale: float) -> tuple[int, dict[str, OptimizedModule]]:
+            shares = {path: round(can_shed[path] * scale) for path in found}
+            made = planned_parts({path: ReducedBudget(f"{whole.text}, shedding {share} bytes here",
+                                                      reduce_bytes=share) for path, share in shares.items()}, {})
+            return (measured_peak(made) if shed else 0), made
         scale = min(1.0, shed / max(1, sum(can_shed.values())))
-        shares = {path: round(can_shed[path] * scale) for path in found}
-        parts = planned_parts({path: ReducedBudget(f"{whole.text}, shedding {share} bytes here", reduce_bytes=share)
-                               for path, share in shares.items()}, {})
-        shared_peak = measured_peak(parts) if shed else 0
+        shared_peak, parts = shared(scale)
+        if shared_peak > budget_bytes and scale < 1:  # the parts' own peaks need not be the step's: all they can
+            shared_peak, parts = min(shared(1.0), (shared_peak, parts), key=lambda found_peak: found_peak[0])
         if shared_peak > budget_bytes:  # what the parts hold from their forward to their backward, while others run
             parts = self._parts_checkpointed_whole(found, posed, planned_parts, measured_peak, budget_bytes, whole,
                                                    recorded.eager_peak_bytes, shared_peak)

@@ -580,7 +580,6 @@ def python_draws_recorded() -> Iterator[list[str]]:
     on exit); both are put back as they were, so that capturing draws nothing for the caller.
 
     >>> import random
-    >>> before = random.random()
     >>> with python_draws_recorded() as drawn:
     ...     _ = random.random()
     >>> drawn
