@@ -583,8 +583,8 @@ def _measure(one_step, num_stages: int, repeats: int, stopwatch: Stopwatch, on_c
                 meter.settle()
 
     with meter:
-        loss_bytes, sparse_grad_bytes = one_step(lambda k: meter.mark(f"f{k}"), lambda: meter.mark("b"), lambda k: meter.mark(f"d{k}"),
-                              first_unpack, labelling)
+        loss_bytes, sparse_grad_bytes = one_step(lambda k: meter.mark(f"f{k}"), lambda: meter.mark("b"),
+                                                 lambda k: meter.mark(f"d{k}"), first_unpack, labelling)
     device_peak = device_reserved = None
     if on_cuda:
         torch.cuda.synchronize()
