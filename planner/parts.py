@@ -128,21 +128,44 @@ def capturable_parts(model: torch.nn.Module, calls: dict[str, tuple[tuple, dict]
     """The largest submodules (outermost first) that capture with their recorded inputs, and have parameters.
 
     The root is never a part (it did not capture); modules that were not called (containers such as
-    ``ModuleList``) are looked into.
+    ``ModuleList``) are looked into. A module the recorded step skipped (a layer dropped at random, as layerdrop
+    does) is captured with the inputs of a sibling of its class that ran (:func:`_recorded_inputs`), so that it
+    is planned too, not run eagerly whenever a later step runs it.
     """
     parts: dict[str, CapturedGraph] = {}
     pending = [(f"{name}", child) for name, child in model.named_children()]
     while pending:
         path, module = pending.pop(0)
-        if path in calls and any(p.requires_grad for p in module.parameters()):
-            args, kwargs = calls[path]
+        recorded = _recorded_inputs(model, path, module, calls)
+        if recorded is not None and any(p.requires_grad for p in module.parameters()):
             try:
-                parts[path] = capture(module, args, kwargs)
+                parts[path] = capture(module, *recorded)
                 continue
             except PlannerError:
                 pass
         pending.extend((f"{path}.{name}", child) for name, child in module.named_children())
     return parts
+
+
+def _recorded_inputs(model: torch.nn.Module, path: str, module: torch.nn.Module,
+                     calls: dict[str, tuple[tuple, dict]]) -> tuple[tuple, dict] | None:
+    """What ``module`` (at ``path``) was first called with, or else what the first sibling of its class (the same
+    parent) was, or None.
+
+    >>> layers = torch.nn.ModuleList([torch.nn.Linear(2, 2), torch.nn.Linear(2, 2), torch.nn.ReLU()])
+    >>> calls = {"1": ((torch.ones(1, 2),), {})}
+    >>> _recorded_inputs(layers, "0", layers[0], calls) is calls["1"], _recorded_inputs(layers, "2", layers[2], calls)
+    (True, None)
+    """
+    if path in calls:
+        return calls[path]
+    parent_path, _, _ = path.rpartition(".")
+    parent = model.get_submodule(parent_path) if parent_path else model
+    for name, sibling in parent.named_children():
+        sibling_path = f"{parent_path}.{name}" if parent_path else name
+        if type(sibling) is type(module) and sibling_path in calls:
+            return calls[sibling_path]
+    return None
 
 
 class _PartForward:

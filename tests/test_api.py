@@ -303,6 +303,24 @@ def test_parts_that_are_single_blocks_shed_memory_by_being_checkpointed_whole():
     assert 0.1 * eager.peak_bytes < error.value.minimum_budget_bytes < 0.6 * eager.peak_bytes
 
 
+def test_layers_the_recorded_step_dropped_are_planned_too():
+    """Parts are found from one recorded eager step: a layer that layerdrop skipped in it was no part, and ran
+    unplanned in every later step that ran it. It is captured with the inputs of a sibling layer now."""
+    torch.manual_seed(0)
+    model, x = LayerDrop(p=0.5), torch.randn(256, 64)
+    reference = copy.deepcopy(model)
+    torch.manual_seed(2)
+    skipped = [bool(torch.rand(()) < 0.5) for _ in range(6)]  # what planning's recorded step will draw
+    assert any(skipped) and not all(skipped)
+    torch.manual_seed(2)
+    with pytest.warns(PartialCaptureWarning):
+        opt = planner.optimize(model, "80%", example_inputs=(x,), loss_fn=_loss, profile_repeats=1)
+    assert sorted(opt.parts) == [f"layers.{i}" for i in range(6)]
+    for seed in range(3):
+        assert_same_training(training_step(reference, lambda m: _loss(m(x)), (x,), seed=seed),
+                             training_step(opt, lambda m: _loss(m(x)), (x,), owner=model, seed=seed), atol=0)
+
+
 def test_a_model_planned_in_place_in_parts_runs_its_hooked_parts_eagerly():
     torch.manual_seed(0)
     model = torch.nn.Sequential(Blocks(), Blocks())
