@@ -33,8 +33,7 @@ from .attention import without_unmasking_mask
 from .budget import Budget, format_bytes, parse_budget
 from .compiled import CompiledFit, fit_plans
 from .capture import (CapturedGraph, autocast_state, capture, casts_uncached, hooks_signature, input_signature,
-                      is_layout_copy, mutated_nodes, no_larger_than, outside_autocast, placed_stage_nodes, plan_key,
-                      numbers_kept)
+                      is_layout_copy, mutated_nodes, no_larger_than, outside_autocast, placed_stage_nodes, plan_key)
 from .devices import DeviceSpec, device_spec, spec_for_gpu
 from .meta import device_type_of, meta_copy, target_kernels, tensors_of
 from .timing import AnalyticStopwatch, Estimate, stopwatch_for
@@ -46,8 +45,8 @@ from .errors import InfeasibleBudgetError, PlannerError
 from .plan import Plan, SolverStatus, budget_for_usable, usable_bytes
 from .problem import Problem, RecomputeOption, Region, Schedule, recompute_seconds, region_caches, simulate
 from .meter import device_allocator_peak_bytes
-from .profile import (GraphProfile, StageMeasurement, annotated, default_loss, measure_stages, paired_step_seconds,
-                      preserved_training_state, profile_graph)
+from .profile import (GraphProfile, StageMeasurement, annotated, default_loss, held_gradients, measure_stages,
+                      paired_step_seconds, preserved_training_state, profile_graph)
 from .parts import (PartialCaptureWarning, ReducedBudget, capturable_parts, parts_planned, record_calls,
                     step_peak_bytes)
 from .rewrite import apply_plan
@@ -991,7 +990,7 @@ def _compiled_training_step(module: torch.nn.Module, captured: CapturedGraph, lo
     ``grads_held`` the trained parameters hold gradients from before it, as it leaves them (allocated now)."""
     args, kwargs, loss_of = captured.example_args, captured.example_kwargs, loss_fn or default_loss
     parameters = list(captured.graph_module.parameters())
-    held = {p: torch.zeros_like(p) for p in parameters if p.requires_grad} if grads_held else {}
+    held = held_gradients(parameters) if grads_held else {}
 
     def step() -> None:
         outputs = module(*args, **kwargs)
@@ -1319,11 +1318,10 @@ class OptimizedModule(torch.nn.Module):
             raise PlannerError(f"compile= plans the compiled step of a model that captures as a whole, and "
                                f"{type(self.model).__name__} does not ({error.message})",
                                hint="drop compile= and torch.compile the module optimize() returns") from None
+        training_state = training_state_bytes(self.model, options["optimizer"], options["ddp"])
         try:
-            with numbers_kept(self.model):  # a step of planning's: the caller's counters and generators stay
-                recorded = record_calls(self.model, args, kwargs, loss_fn=options["loss_fn"],
-                                        extra_fixed_bytes=training_state_bytes(self.model, options["optimizer"],
-                                                                               options["ddp"]))
+            recorded = record_calls(self.model, args, kwargs, loss_fn=options["loss_fn"],
+                                    extra_fixed_bytes=training_state)
         except Exception:
             raise error from None  # the inputs do not fit the model at all
         found = capturable_parts(self.model, recorded.calls)
@@ -1351,10 +1349,8 @@ class OptimizedModule(torch.nn.Module):
             return made
 
         def measured_peak(parts: dict[str, OptimizedModule]) -> int:
-            with numbers_kept(self.model):
-                return step_peak_bytes(self.model, args, kwargs, loss_fn=options["loss_fn"], parts=parts,
-                                       extra_fixed_bytes=training_state_bytes(self.model, options["optimizer"],
-                                                                              options["ddp"]))
+            return step_peak_bytes(self.model, args, kwargs, loss_fn=options["loss_fn"], parts=parts,
+                                   extra_fixed_bytes=training_state)
 
         can_shed = {path: simulate(p.problem, Schedule.store_all(p.problem.num_stages)).peak_bytes
                     - solvers.minimum_peak(p.problem) for path, p in posed.items()}  # what each lowers its own peak

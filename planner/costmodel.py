@@ -1030,12 +1030,22 @@ def scale_seconds(problem: Problem, factor: float) -> Problem:
     >>> scaled.forward_seconds, scaled.backward_seconds, scaled.recompute_options[0].recompute_seconds
     (1.5, 3.0, 1.5)
     """
+    return _retimed(problem, problem, lambda own, _: own * factor)
+
+
+def _retimed(problem: Problem, source: Problem, seconds: Callable[[float, float], float]) -> Problem:
+    """``problem`` with each of its stages' and tensors' times (forward, backward, early stop, each option's
+    recomputation, each tensor's op) replaced by ``seconds(its own, source's)``, ``source`` having the same stages,
+    options and tensors: the one list of what is a time, for :func:`scale_seconds` and :func:`with_seconds_of`."""
     stages = tuple(dataclasses.replace(
-        s, forward_seconds=s.forward_seconds * factor, backward_seconds=s.backward_seconds * factor,
-        early_stop_seconds=s.early_stop_seconds * factor,
-        options=tuple(dataclasses.replace(o, recompute_seconds=o.recompute_seconds * factor)
-                      for o in s.recompute_options)) for s in problem.stages)
-    tensors = tuple(dataclasses.replace(t, seconds=t.seconds * factor) for t in problem.tensors)
+        s, forward_seconds=seconds(s.forward_seconds, t.forward_seconds),
+        backward_seconds=seconds(s.backward_seconds, t.backward_seconds),
+        early_stop_seconds=seconds(s.early_stop_seconds, t.early_stop_seconds),
+        options=tuple(dataclasses.replace(o, recompute_seconds=seconds(o.recompute_seconds, to.recompute_seconds))
+                      for o, to in zip(s.recompute_options, t.recompute_options)))
+        for s, t in zip(problem.stages, source.stages))
+    tensors = tuple(dataclasses.replace(x, seconds=seconds(x.seconds, t.seconds))
+                    for x, t in zip(problem.tensors, source.tensors))
     return dataclasses.replace(problem, stages=stages, tensors=tensors)
 
 
@@ -1055,15 +1065,8 @@ def with_seconds_of(problem: Problem, timed: Problem) -> Problem:
         return [(s.name, [o.name for o in s.recompute_options]) for s in p.stages] + [t.name for t in p.tensors]
     if shape(problem) != shape(timed):
         raise ValueError("the problems differ in their stages, options or tensors")
-    stages = tuple(dataclasses.replace(
-        s, forward_seconds=t.forward_seconds, backward_seconds=t.backward_seconds,
-        early_stop_seconds=t.early_stop_seconds,
-        options=tuple(dataclasses.replace(o, recompute_seconds=to.recompute_seconds)
-                      for o, to in zip(s.recompute_options, t.recompute_options)))
-        for s, t in zip(problem.stages, timed.stages))
-    tensors = tuple(dataclasses.replace(x, seconds=t.seconds) for x, t in zip(problem.tensors, timed.tensors))
-    return dataclasses.replace(problem, stages=stages, tensors=tensors, region_seconds=timed.region_seconds,
-                               per_step_seconds=timed.per_step_seconds,
+    return dataclasses.replace(_retimed(problem, timed, lambda _, theirs: theirs),
+                               region_seconds=timed.region_seconds, per_step_seconds=timed.per_step_seconds,
                                caching_region_seconds=timed.caching_region_seconds)
 
 

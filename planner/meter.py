@@ -86,6 +86,8 @@ def storages_of(tensor: torch.Tensor) -> list[torch.UntypedStorage]:
     >>> [s.nbytes() for s in storages_of(sparse)]
     [16, 8]
     """
+    if tensor.layout is torch.strided:  # first: the meter asks for every tensor every op makes
+        return [tensor.untyped_storage()]
     if tensor.layout is torch.sparse_coo:
         return [tensor._indices().untyped_storage(), tensor._values().untyped_storage()]
     if tensor.layout in (torch.sparse_csr, torch.sparse_bsr):

@@ -33,9 +33,9 @@ import torch
 from torch.utils._pytree import tree_leaves, tree_map
 
 from .budget import Budget
-from .capture import CapturedGraph, capture, outside_autocast, python_draws_recorded
+from .capture import CapturedGraph, capture, numbers_kept, outside_autocast
 from .errors import PlannerError
-from .meter import LiveMemoryMeter, storage_bytes
+from .meter import measure_step_peak
 from .profile import default_loss, preserved_training_state
 
 
@@ -76,20 +76,17 @@ def _detached(value: Any) -> Any:
 def record_calls(model: torch.nn.Module, args: tuple, kwargs: dict, *, loss_fn: Callable | None,
                  extra_fixed_bytes: int = 0) -> RecordedCalls:
     """Run an eager training step of ``model``, recording each submodule's first inputs, and another for the
-    step's peak (:func:`step_peak_bytes`): the recorded inputs, held until the step ends, made the peak of the
-    first step higher (by about 6% for six residual blocks: a 60% budget was 63% of the real eager peak); no
-    trace is left on the model."""
+    step's peak (:func:`step_peak_bytes`, which leaves no trace on the model, so both draw alike): the recorded
+    inputs, held until the step ends, made the peak of the first step higher (by about 6% for six residual blocks:
+    a 60% budget was 63% of the real eager peak)."""
     calls: dict[str, tuple[tuple, dict]] = {}
     handles = []
     for path, module in model.named_modules():
         def hook(_module, a, k, path=path):
             calls.setdefault(path, (_detached(a), _detached(k)))
         handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))
-    try:  # both steps draw the same numbers (a layerdrop's choices), Python's and NumPy's too
-        with preserved_training_state(model), python_draws_recorded():
-            (loss_fn or default_loss)(model(*args, **kwargs)).backward()
-            for p in model.parameters():
-                p.grad = None
+    try:
+        step_peak_bytes(model, args, kwargs, loss_fn=loss_fn)
     finally:
         for h in handles:
             h.remove()
@@ -101,27 +98,30 @@ def step_peak_bytes(model: torch.nn.Module, args: tuple, kwargs: dict, *, loss_f
                     extra_fixed_bytes: int = 0, parts: dict[str, torch.nn.Module] | None = None) -> int:
     """The peak of one eager training step of ``model`` (the loss of its output, backward): live storages plus
     parameters, buffers, inputs and ``extra_fixed_bytes``; ``parts``: planned modules that run the model's parts
-    meanwhile (:func:`parts_planned`). Buffers, RNG and gradients are put back after.
+    meanwhile (:func:`parts_planned`). A step of planning's, not the caller's: buffers, gradients, torch's RNG,
+    and the numbers and Python and NumPy generators its forward changes (:func:`~planner.capture.numbers_kept`)
+    are put back after.
 
     >>> model = torch.nn.Linear(4, 4)
     >>> step_peak_bytes(model, (torch.ones(2, 4),), {}, loss_fn=None) > 0 and model.weight.grad is None
     True
     """
-    inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-    fixed = storage_bytes(list(model.parameters()) + list(model.buffers()) + inputs)
-    # under autocast, as a step of the caller's runs: its forward and loss in an autocast block of their own (the
-    # weights cast by an earlier step are not held already), its backward after the block (the casts it does not
-    # save are gone); measured inside the caller's block, wav2vec2 in parts went 0.2 MB (1%) over its budget
-    torch.clear_autocast_cache()
-    with preserved_training_state(model), parts_planned(model, parts or {}), LiveMemoryMeter() as meter:
+    def step() -> None:
+        # under autocast, as a step of the caller's runs: its forward and loss in an autocast block of their own
+        # (the weights cast by an earlier step are not held already), its backward after the block (the casts it
+        # does not save are gone); measured inside the caller's block, wav2vec2 in parts went 0.2 MB (1%) over
+        torch.clear_autocast_cache()
         loss = (loss_fn or default_loss)(model(*args, **kwargs))
         torch.clear_autocast_cache()
         with outside_autocast():
             loss.backward()
-        del loss
+
+    inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    with preserved_training_state(model), numbers_kept(model), parts_planned(model, parts or {}):
+        peak = measure_step_peak(step, model.parameters(), model.buffers(), inputs)
         for p in model.parameters():
             p.grad = None
-    return fixed + meter.peak_bytes + extra_fixed_bytes
+    return peak + extra_fixed_bytes
 
 
 def capturable_parts(model: torch.nn.Module, calls: dict[str, tuple[tuple, dict]]) -> dict[str, CapturedGraph]:

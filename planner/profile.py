@@ -25,7 +25,7 @@ import dataclasses
 import statistics
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import torch
 import torch.fx as fx
@@ -367,10 +367,7 @@ def profile_graph(captured: CapturedGraph, *, repeats: int = 3, stopwatch: Stopw
     for p in interp.profiles:
         seconds = stopwatch.combine(timings.get(p.name, [0.0]))
         nodes.append(dataclasses.replace(p, seconds=seconds, in_backward=p.name in in_backward))
-    for n in gm.graph.nodes:
-        if "planner" in n.meta:
-            n.meta["planner"] = next(p for p in nodes if p.name == n.name)
-    return GraphProfile(tuple(nodes), output_keys, grad_bytes, storage_bytes(fixed_tensors(gm, flat)))
+    return annotated(gm, GraphProfile(tuple(nodes), output_keys, grad_bytes, storage_bytes(fixed_tensors(gm, flat))))
 
 
 # --- measured steps with stage markers --------------------------------------------------------------------------
@@ -522,9 +519,11 @@ def measure_stages(captured: CapturedGraph, stage_of: dict[str, int], num_stages
     gm = captured.graph_module
     flat = flat_call_args(captured, captured.example_args, captured.example_kwargs)
     loss_of = loss_fn or default_loss
-    held = {p: torch.zeros_like(p) for p in gm.parameters() if p.requires_grad} if grads_held else {}
+    held = held_gradients(gm.parameters()) if grads_held else {}
+    sparse: dict[str, int] | None = None  # what sparse gradients hold, read once (in the metered step, not a timed one)
 
     def one_step(on_forward, on_backward_start, on_backward_done, on_first_unpack=None, labelling=None):
+        nonlocal sparse
         with casts_uncached():  # as the planned module runs
             interp = _MarkingInterpreter(gm, stage_of, on_forward, on_backward_done, kernels, on_first_unpack,
                                          labelling)
@@ -542,17 +541,29 @@ def measure_stages(captured: CapturedGraph, stage_of: dict[str, int], num_stages
         with outside_autocast():
             on_backward_start()
             loss.backward(seed)
-        sparse = sparse_gradient_bytes(gm, flat)
+        if sparse is None:
+            sparse = sparse_gradient_bytes(gm, flat)
         for p in gm.parameters():
             p.grad = held.get(p)
-        return (storage_bytes([seed]) + (0 if id(loss.untyped_storage()) in held_outputs else storage_bytes([loss])),
-                sparse)
+        return storage_bytes([seed]) + (0 if id(loss.untyped_storage()) in held_outputs else storage_bytes([loss]))
 
     on_cuda = any(t.is_cuda for t in list(gm.parameters()) + [x for x in flat if isinstance(x, torch.Tensor)])
     with preserved_training_state(gm):
         for p, grad in held.items():
             p.grad = grad
-        return _measure(one_step, num_stages, repeats, stopwatch or WallStopwatch(), on_cuda, resizable, created)
+        measured = _measure(one_step, num_stages, repeats, stopwatch or WallStopwatch(), on_cuda, resizable, created)
+    return dataclasses.replace(measured, sparse_grad_bytes=sparse or {})
+
+
+def held_gradients(parameters: Iterable[torch.nn.Parameter]) -> dict[torch.nn.Parameter, torch.Tensor]:
+    """A zero gradient for each of ``parameters`` that trains: what a step of gradient accumulation after the
+    first begins with (``grads_held``), to set as their ``.grad`` before it.
+
+    >>> w, frozen = torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(2), requires_grad=False)
+    >>> [tuple(g.shape) for g in held_gradients([w, frozen]).values()]
+    [(2,)]
+    """
+    return {p: torch.zeros_like(p) for p in parameters if p.requires_grad}
 
 
 def _measure(one_step, num_stages: int, repeats: int, stopwatch: Stopwatch, on_cuda: bool = False, resizable=None,
@@ -583,8 +594,8 @@ def _measure(one_step, num_stages: int, repeats: int, stopwatch: Stopwatch, on_c
                 meter.settle()
 
     with meter:
-        loss_bytes, sparse_grad_bytes = one_step(lambda k: meter.mark(f"f{k}"), lambda: meter.mark("b"),
-                                                 lambda k: meter.mark(f"d{k}"), first_unpack, labelling)
+        loss_bytes = one_step(lambda k: meter.mark(f"f{k}"), lambda: meter.mark("b"), lambda k: meter.mark(f"d{k}"),
+                              first_unpack, labelling)
     device_peak = device_reserved = None
     if on_cuda:
         torch.cuda.synchronize()
@@ -630,7 +641,7 @@ def _measure(one_step, num_stages: int, repeats: int, stopwatch: Stopwatch, on_c
     return StageMeasurement(forward_peak, backward_peak, backward_seconds, stopwatch.combine(steps),
                             total_peak=meter.peak_bytes, device_peak_bytes=device_peak,
                             device_reserved_bytes=device_reserved, before_first_unpack=before_first_unpack,
-                            loss_bytes=loss_bytes, backward_releases=releases, sparse_grad_bytes=sparse_grad_bytes)
+                            loss_bytes=loss_bytes, backward_releases=releases)
 
 
 def paired_step_seconds(steps: dict[str, Callable[[], None]], repeats: int, baseline: str, *,
