@@ -17,9 +17,9 @@ that built the mask go. The graph is captured for fixed shapes (plans are keyed 
 in every step. :func:`group_repeated_heads` then hands an unmasked call without dropout its key and value heads
 uncopied with ``enable_gqa``, where the kernel that will run takes them so (:func:`kernel_shares_heads`).
 :func:`restore_attention` runs both, on models that hold a Hugging Face model (others build such a mask eagerly
-too, and the kernel may sum in another order without it); :func:`planner.capture.capture` calls it. A mask given as an input
-stays, but for a Hugging Face model an ``attention_mask`` of ones means no mask, and :func:`without_unmasking_mask`
-drops it before planning and before each training call (:mod:`planner.api`).
+too, and the kernel may sum in another order without it); :func:`planner.capture.capture` calls it. A mask given
+as an input stays, but for a Hugging Face model an ``attention_mask`` of ones means no mask, and
+:func:`without_unmasking_mask` drops it before planning and before each training call (:mod:`planner.api`).
 
 >>> import torch
 >>> class Causal(torch.nn.Module):
