@@ -28,12 +28,14 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 import torch
+from torch.utils._pytree import tree_map_only
 
 from .attention import without_unmasking_mask
 from .budget import Budget, format_bytes, parse_budget
 from .compiled import CompiledFit, fit_plans
-from .capture import (CapturedGraph, autocast_state, capture, casts_uncached, hooks_signature, input_signature,
-                      is_layout_copy, mutated_nodes, no_larger_than, outside_autocast, placed_stage_nodes, plan_key)
+from .capture import (CapturedGraph, RecaptureWarning, autocast_state, capture, casts_uncached, changed_values,
+                      hooks_signature, input_signature, is_layout_copy, mutated_nodes, no_larger_than,
+                      numbers_signature, outside_autocast, placed_stage_nodes, plan_key)
 from .devices import DeviceSpec, device_spec, spec_for_gpu
 from .meta import device_type_of, meta_copy, target_kernels, tensors_of
 from .timing import AnalyticStopwatch, Estimate, stopwatch_for
@@ -1133,11 +1135,24 @@ def _swapped_tensors(model: torch.nn.Module, planned: torch.nn.Module) -> dict[s
 
 def _reused(larger: Planned, captured: CapturedGraph) -> Planned:
     """``larger``'s plan run on ``captured``, the same graph on inputs no larger: the same regions and options, its
-    predictions upper bounds (``Plan.reused_from`` names the plan they were made for), no profile."""
+    predictions upper bounds (``Plan.reused_from`` names the plan they were made for), no profile. On inputs of
+    the same shapes (a number on the model changed: see :func:`~planner.capture.numbers_signature`), it is the plan
+    they would get, so it is never replaced by one of their own (``planning_seconds`` None)."""
     source = larger.plan.reused_from or larger.plan.fingerprint
     plan = dataclasses.replace(larger.plan, fingerprint=fingerprint(captured), solve_seconds=0.0,
                                extra=tuple({**dict(larger.plan.extra), "reused_from": source}.items()))
-    return Planned(captured, None, plan, planning_seconds=larger.planning_seconds)
+    # kept without the call's own inputs (meta tensors of their shapes in their place): a batch held for each
+    # shape would be memory outside the budget
+    args, kwargs = tree_map_only(torch.Tensor, _shell, (captured.example_args, captured.example_kwargs))
+    same_shapes = no_larger_than(larger.captured.graph_module.graph, captured.graph_module.graph)
+    captured = dataclasses.replace(captured, example_args=args, example_kwargs=kwargs)
+    # on inputs of the same shapes (a number changed), a plan of its own would be this one: planning never pays
+    return Planned(captured, None, plan, planning_seconds=None if same_shapes else larger.planning_seconds)
+
+
+def _shell(tensor: torch.Tensor) -> torch.Tensor:
+    """A meta tensor of ``tensor``'s shape, strides and dtype."""
+    return torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device="meta")
 
 
 def _saved_as_the_models(module: "OptimizedModule", state_dict: dict, prefix: str, local_metadata: dict) -> None:
@@ -1204,7 +1219,9 @@ class OptimizedModule(torch.nn.Module):
         self.budget = budget
         self.reuse_plans = reuse_plans
         self._options = planner_options
-        self._planned: dict[tuple, tuple[Planned, torch.nn.Module]] = {}
+        # plans by key (see _key), reused ones in the order of their last use (see _forget_least_used_reused)
+        self._planned: collections.OrderedDict[tuple, tuple[Planned, torch.nn.Module]] = collections.OrderedDict()
+        self._recaptures: list[tuple[tuple[str, ...], float]] = []  # see _note_recapture
         self._reused_calls: dict[tuple, int] = {}  # calls run under each reused plan (see _planning_pays)
         self._modules_listed: tuple[torch.nn.Module, ...] | None = None  # the model's modules, for hooks_signature
         self._parameters_listed: tuple[torch.nn.Parameter, ...] | None = None  # its parameters, for grads_held
@@ -1249,37 +1266,101 @@ class OptimizedModule(torch.nn.Module):
                                                              captured.sharding, wrapper=self)
             plan = dataclasses.replace(plan, stage_nodes=stage_nodes)
         module = planned.compiled_module if planned.compiled_module is not None else apply_plan(graph_module, plan)
-        self._planned[_stored_key(planned)] = (planned, module)
+        key = _stored_key(planned)
+        self._planned[key] = (planned, module)
         self._last = planned
+        if plan.reused_from is not None:
+            self._forget_least_used_reused(keep=key)
 
-    def _plan_for(self, args: tuple, kwargs: dict, *, replacing: Planned | None = None) -> None:
+    def _forget_least_used_reused(self, keep: tuple) -> None:
+        """Keep at most :data:`REUSED_PLANS_KEPT` reused plans (each holds its graph, about 3 MB of host memory
+        for test-size GPT-2) and plans kept under a second key (numbers changed that the graph does not read), the
+        most recently used: a forgotten one costs a capture when its inputs come again. Plans of their own cost a
+        profile and a solve to make again, and are all kept."""
+        reused = [k for k, (planned, _) in self._planned.items()
+                  if planned.plan.reused_from is not None or k != _stored_key(planned)]  # or kept under another
+        for key in reused[:max(0, len(reused) - REUSED_PLANS_KEPT)]:
+            if key != keep:
+                del self._planned[key]
+                self._reused_calls.pop(key, None)
+
+    def _plan_for(self, args: tuple, kwargs: dict, *, replacing: Planned | None = None) -> bool:
         """Plan for these inputs: a plan for larger ones reused, or a new one (``replacing`` a reused plan: for
-        the budget it fit, so that the new one recomputes no more)."""
+        the budget it fit, so that the new one recomputes no more). Whether it profiled and solved (not when a
+        plan was reused or the graph was one planned before)."""
         with _own_forward(self.model):
-            self._plan_now(args, kwargs, replacing)
+            return self._plan_now(args, kwargs, replacing)
 
-    def _plan_now(self, args: tuple, kwargs: dict, replacing: Planned | None) -> None:
+    def _plan_now(self, args: tuple, kwargs: dict, replacing: Planned | None) -> bool:
         started = time.perf_counter()
         device_type_of(self.model, (args, kwargs))  # one device, or say how to get there
         sharding = fsdp.sharding_of(self.model, self)
         if sharding is not None:
             self._forget_other_shardings(sharding)
             self.add_plan(_plan_sharded(self.model, args, kwargs, sharding, self.budget, self._options, self))
-            return
+            return True
         try:
             captured = capture_for(self.model, args, kwargs, self._options.get("device"))
         except PlannerError as error:
             self._parts = self._plan_parts(args, kwargs, error)
             self._parts_hooks = self._hooks_now()
-            return
+            return True
         held = self._grads_held_now()
+        same = self._same_graph_planned(captured, held) if replacing is None else None
+        if same is not None:  # numbers changed that the graph does not read: the same plan, under this key too
+            key = (*captured.key, GRADS_HELD) if held else captured.key
+            self._planned[key] = self._planned[_stored_key(same)]
+            self._last = same
+            self._forget_least_used_reused(keep=key)
+            return False
         larger = self._larger_plan(captured, held) if self.reuse_plans and replacing is None else None
         if larger is not None:
             self.add_plan(_reused(larger, captured))
-            return
+            return False
         budget = self.budget if replacing is None else replacing.plan.budget_bytes
         planned = _plan_captured(self.model, captured, budget, **{**self._options, "grads_held": held})
         self.add_plan(dataclasses.replace(planned, planning_seconds=time.perf_counter() - started))
+        return True
+
+    def _same_graph_planned(self, captured: CapturedGraph, grads_held: bool) -> Planned | None:
+        """The plan made for this very graph (the same code, constants included, on inputs of the same shapes, in
+        the same autocast state, with the same hooks and gradients held alike), if any: numbers changed since that
+        the graph does not read (Accelerate marks the model it prepares with ``_is_accelerate_prepared``)."""
+        code = captured.graph_module.code
+        return next((planned for planned, _ in self._planned.values()
+                     if planned.captured.input_signature == captured.input_signature
+                     and planned.captured.autocast == captured.autocast and planned.captured.hooks == captured.hooks
+                     and planned.captured.sharding is None and planned.plan.grads_held == grads_held
+                     and planned.captured.graph_module.code == code), None)
+
+    def _plan_new(self, args: tuple, kwargs: dict) -> None:
+        """:meth:`_plan_for` a call whose key is new, noting when only values the graph holds as constants changed
+        since the last call (see :meth:`_note_recapture`)."""
+        last = self._last
+        started = time.perf_counter()
+        if self._plan_for(args, kwargs) or last is None:
+            return
+        changed = changed_values(numbers_signature(self.model, self._listed_modules()), last.captured.numbers,
+                                 input_signature(args, kwargs), last.captured.input_signature, self.model, args,
+                                 kwargs)
+        if changed:
+            self._note_recapture(changed, time.perf_counter() - started)
+
+    def _note_recapture(self, changed: list[str], seconds: float) -> None:
+        """Count a capture made because numbers the graph holds as constants changed (a temperature annealed, a
+        dropout probability scheduled, a float passed to forward), and warn once, at the
+        :data:`RECAPTURES_WARNED_AT`-th, with what changed and what each capture took."""
+        self._recaptures.append((tuple(changed), seconds))
+        if len(self._recaptures) != RECAPTURES_WARNED_AT:
+            return
+        names = list(dict.fromkeys(name for names, _ in self._recaptures for name in names))
+        each = sum(seconds for _, seconds in self._recaptures) / len(self._recaptures)
+        warnings.warn(RecaptureWarning(
+            f"{', '.join(names[:4])}{' and more' if len(names) > 4 else ''} changed on {len(self._recaptures)} "
+            f"calls of {type(self.model).__name__}, and each change captured the model again ({each:.2f} s each, "
+            f"then its plan ran): its graph holds them as constants. Keep a number that changes often in a buffer "
+            f"(register_buffer, updated in place with fill_) or pass it to forward as a tensor: the graph reads "
+            f"those each call"), stacklevel=4)
 
     def _planning_pays(self, key: tuple, planned: Planned) -> bool:
         """Whether a reused plan has been run often enough that planning its inputs anew pays: once its calls have
@@ -1307,7 +1388,7 @@ class OptimizedModule(torch.nn.Module):
     def _forget_other_shardings(self, sharding: fsdp.Sharding) -> None:
         """Drop plans made before the model was sharded this way: they hold the parameters as they were then (the
         whole unsharded tensors, when the model was sharded after planning)."""
-        for key in [k for k in self._planned if k[2:] != (sharding.signature,)]:
+        for key in [k for k in self._planned if len(k) < 3 or k[2] != sharding.signature]:
             if self._last is self._planned.pop(key)[0]:
                 self._last = None
 
@@ -1416,7 +1497,8 @@ class OptimizedModule(torch.nn.Module):
         return fitting
 
     def _key(self, args: tuple, kwargs: dict, sharded: tuple | None) -> tuple:
-        key = plan_key(input_signature(args, kwargs), autocast_state(), sharded, self._hooks_now())
+        key = plan_key(input_signature(args, kwargs), autocast_state(), sharded, self._hooks_now(),
+                       numbers_signature(self.model, self._listed_modules()))
         return (*key, GRADS_HELD) if sharded is None and self._grads_held_now() else key
 
     def _grads_held_now(self) -> bool:
@@ -1429,10 +1511,13 @@ class OptimizedModule(torch.nn.Module):
             self._parameters_listed = tuple(self.model.parameters())
         return any(p.grad is not None and p.requires_grad for p in self._parameters_listed)
 
-    def _hooks_now(self) -> tuple:
+    def _listed_modules(self) -> tuple[torch.nn.Module, ...]:
         if self._modules_listed is None:
             self._modules_listed = tuple(self.model.modules())
-        return hooks_signature(self.model, self._modules_listed)
+        return self._modules_listed
+
+    def _hooks_now(self) -> tuple:
+        return hooks_signature(self.model, self._listed_modules())
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """When ``fully_shard`` was applied to this module, a missing plan is made before FSDP's own forward hooks
@@ -1464,11 +1549,13 @@ class OptimizedModule(torch.nn.Module):
         sharded = fsdp.units_signature(self.model, self)
         key = self._key(args, planned_kwargs, sharded)
         if key not in self._planned:
-            self._plan_for(args, planned_kwargs)
+            self._plan_new(args, planned_kwargs)
             if self._parts is not None:  # it captures only in parts now (a backward hook registered since)
                 return self._run_planned(run_model, args, kwargs)
         kwargs = planned_kwargs
         planned, module = self._planned[key]
+        if planned.plan.reused_from is not None or key != _stored_key(planned):  # kept as the most recently used
+            self._planned.move_to_end(key)
         if planned.plan.reused_from is not None and self._planning_pays(key, planned):
             self._plan_for(args, kwargs, replacing=planned)
             planned, module = self._planned[key]
@@ -1484,6 +1571,7 @@ class OptimizedModule(torch.nn.Module):
         for optimized in (self, *(self._parts or {}).values()):
             optimized._planned.clear()
             optimized._reused_calls.clear()
+            optimized._recaptures.clear()
             optimized._modules_listed = None
             optimized._parameters_listed = None
             optimized._last = None
@@ -1514,7 +1602,8 @@ class OptimizedModule(torch.nn.Module):
     def __getstate__(self) -> dict:
         """Pickled (``torch.save`` of the module, ``copy.deepcopy``) without its planned graphs, which hold code
         made at run time: the copy plans again on its first training call."""
-        return {**super().__getstate__(), "_planned": {}, "_reused_calls": {}, "_modules_listed": None,
+        return {**super().__getstate__(), "_planned": collections.OrderedDict(), "_reused_calls": {},
+                "_recaptures": [], "_modules_listed": None,
                 "_last": None}
 
     def __getattr__(self, name: str):
@@ -1681,6 +1770,8 @@ def optimize(model: torch.nn.Module, budget: int | str | None, example_inputs: A
     return optimized
 
 
+REUSED_PLANS_KEPT = 32  # reused plans an OptimizedModule keeps (see OptimizedModule._forget_least_used_reused)
+RECAPTURES_WARNED_AT = 8  # captures for changed constants before a RecaptureWarning (torch.compile's recompile limit)
 GRADS_HELD = "grads held"  # the last item of the key of a plan made for steps that begin with gradients held
 
 

@@ -126,6 +126,79 @@ def test_smaller_inputs_reuse_the_plan_for_larger_ones(model, monkeypatch):
     assert fresh.plan.reused_from is None
 
 
+class Annealed(Blocks):
+    """Blocks whose residual branches are divided by a temperature and dropped out: numbers a schedule changes
+    between steps, and a scale given to forward as a float."""
+
+    def __init__(self):
+        super().__init__()
+        self.tau = 1.0
+        self.drop = torch.nn.Dropout(0.1)
+        self.epoch = 0  # read by nothing
+
+    def forward(self, x, scale=1.0):
+        for layer in self.layers:
+            x = x + self.drop(layer(x)) * scale / self.tau
+        return x
+
+
+def test_numbers_changed_between_calls_capture_again_and_reuse_the_plan(monkeypatch):
+    """A temperature annealed or a dropout probability scheduled between steps changes a constant of the captured
+    graph: the next call captures again and runs the plan on the new graph, bit for bit eager's, without planning
+    (until 2026-12-07 it ran the old constants: a loss 1.9 where eager's was 26.4). Reused plans keep no inputs of
+    their own, only the most recently used are kept, and calls that keep changing such numbers get one
+    RecaptureWarning naming them."""
+    torch.manual_seed(0)
+    model = Annealed()
+    opt = planner.optimize(model, "60%", example_inputs=(X, 1.0), loss_fn=_loss, profile_repeats=1)
+    first = opt.plan
+
+    def step(module, scale):
+        return training_step(module, lambda m: _loss(m(X, scale)), (X,), owner=model)
+    monkeypatch.setattr("planner.api._plan_captured", lambda *a, **k: pytest.fail("planned again"))
+    monkeypatch.setattr("planner.api.REUSED_PLANS_KEPT", 3)
+    model.tau, model.drop.p = 0.5, 0.3
+    assert_same_training(step(model, 1.0), step(opt, 1.0), atol=0)
+    assert opt.plan.reused_from == first.fingerprint and opt.plan.regions == first.regions
+    assert opt.planned.captured.example_args[0].device.type == "meta"  # the batch is not held
+    with pytest.warns(planner.api.RecaptureWarning, match=r"tau, drop\.p, args\[1\] changed on 8 calls of Annealed"):
+        for k in range(8):
+            model.tau = 1.0 + k
+            eager = step(model, 0.5 + k)
+            assert_same_training(eager, step(opt, 0.5 + k), atol=0)
+    assert len(opt._planned) == 1 + 3 and len(opt._recaptures) == 9
+    last = opt.planned
+    model.epoch = 1  # the graph captured again is the one planned: its plan, kept under this key too
+    assert_same_training(step(model, 7.5), step(opt, 7.5), atol=0)
+    assert opt.planned is last and len(opt._planned) == 1 + 3 and opt._recaptures[-1][0] == ("epoch",)
+    model.epoch = 0
+    model.tau = 7.0  # as for k = 6: the most recently used are kept, so this call plans nothing, captures nothing
+    monkeypatch.setattr("planner.api.capture_for", lambda *a, **k: pytest.fail("captured again"))
+    assert_same_training(step(model, 6.5), step(opt, 6.5), atol=0)
+    signature = list(opt._planned)[-1][0]  # moved to the end, as the most recently used
+    assert signature[1][1] == ("value", "6.5")
+
+
+def test_a_batchnorm_frozen_after_planning_trains_frozen():
+    """``bn.eval()`` between steps (fine-tuning with frozen statistics) changes what the graph computes: the next
+    call captures the model as it now is and plans it; until 2026-12-07 it ran the graph of a training BatchNorm,
+    normalising by the batch's statistics and updating the frozen ones (a loss 2.9 where eager's was 4.9)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Conv2d(8, 8, 3, padding=1), torch.nn.BatchNorm2d(8),
+                                                      torch.nn.ReLU()) for _ in range(3)])
+    x = torch.randn(4, 8, 16, 16)
+    opt = planner.optimize(model, "80%", example_inputs=(x,), loss_fn=_loss, profile_repeats=1)
+    for block in model:
+        block[1].eval()
+    eager = training_step(model, lambda m: _loss(m(x)), (x,))
+    _loss(opt(x)).backward()  # plans the frozen model (planning measures an eager step)
+    model.zero_grad(set_to_none=True)
+    planned = training_step(opt, lambda m: _loss(m(x)), (x,), owner=model)
+    assert_same_training(eager, planned, atol=0)
+    assert len(opt._planned) == 2 and planned.peak_bytes <= opt.plan.budget_bytes
+    assert model.training and not any(block[1].training for block in model)
+
+
 def _profiling_runs_out_of_memory(monkeypatch, gpu):
     """The profile of anything but meta tensors raises CUDA's out-of-memory error, and the CPU stands for ``gpu``
     (a spec, or None for a GPU the registry does not know)."""

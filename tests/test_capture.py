@@ -4,8 +4,8 @@ import warnings
 import pytest
 import torch
 
-from planner.capture import (ForwardHookWarning, capture, flat_call_args, hooked_modules, input_signature, module_path,
-                            placed_stage_nodes)
+from planner.capture import (ForwardHookWarning, capture, changed_values, flat_call_args, hooked_modules,
+                            input_signature, module_path, numbers_signature, placed_stage_nodes)
 from planner.errors import PlannerError
 
 
@@ -235,6 +235,38 @@ def test_input_signature_tells_shapes_and_values_apart():
     assert a != input_signature((torch.zeros(2, 4),), {"flag": True})
     assert a != input_signature((torch.zeros(2, 3),), {"flag": False})
     assert a != input_signature((torch.zeros(2, 3, dtype=torch.float64),), {"flag": True})
+
+
+def test_a_module_frozen_with_eval_stays_frozen_through_capture():
+    """Capture put the whole model back in training (``model.train(True)``), which unfroze a BatchNorm frozen
+    for fine-tuning, for the planned steps and for the caller's eager ones alike, until 2026-12-07."""
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.ReLU()).train()
+    model[1].eval()
+    x = torch.randn(2, 3, 8, 8)
+    captured = capture(model, (x,))
+    assert model.training and not model[1].training
+    before = model[1].running_mean.clone()
+    assert torch.equal(captured.graph_module(x), model(x))
+    assert torch.equal(model[1].running_mean, before)  # frozen statistics: used, not updated
+
+
+def test_numbers_signature_holds_the_numbers_the_graph_holds_as_constants():
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Dropout(0.1))
+    model.tau = 2.0
+    before = numbers_signature(model)
+    assert {(name, value) for _, name, _, value in before} >= {("tau", 2.0), ("p", 0.1), ("in_features", 2),
+                                                                ("training", True)}
+    model[0].register_full_backward_hook(lambda *args: None).remove()  # leaves nn.Module's flag set: not a number
+    assert numbers_signature(model) == before
+    model[1].eval()
+    model.tau = float("nan")
+    after = numbers_signature(model)
+    assert after != before and numbers_signature(model) == after  # a NaN equals itself here
+    x = torch.ones(2)
+    assert changed_values(after, before, input_signature((x,), {"s": 1}), input_signature((x,), {"s": 2}), model,
+                          (x,), {"s": 1}) == ["tau", "1.training", "kwargs['s']"]
+    assert changed_values(after, before, input_signature((x[:1],), {}), input_signature((x,), {}), model,
+                          (x[:1],), {}) == []  # a shape changed too: not only constants
 
 
 class _CopiesItsInput(torch.nn.Module):

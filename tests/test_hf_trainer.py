@@ -80,6 +80,13 @@ def test_a_shorter_sequence_reuses_the_plan_without_profiling(planned, monkeypat
     opt._last = first
 
 
+def _plans(opt) -> int:
+    """How many plans ``opt`` holds: Accelerate marks the model it prepares (``_is_accelerate_prepared = True``),
+    which changes a number on it, so Trainer's first step captures again and finds the graph it planned (the same
+    code), and the plan is kept under a second key too."""
+    return len({id(planned) for planned, _ in opt._planned.values()})
+
+
 def test_switching_hugging_face_checkpointing_on_and_off_keeps_the_plan(planned):
     """Plans are cached under the model's hooks, and Hugging Face's checkpointing adds its input-grads hook each
     time it is switched on and leaves it when switched off: that hook is left out, so the plan stays (the demo,
@@ -107,7 +114,7 @@ def test_trainer_drives_the_planned_module_without_planning_again(planned, tmp_p
     trained = train_with_trainer(opt, ids, steps=2, output_dir=str(tmp_path / "planned"))
     # Trainer's inputs match the planned signature, and its move of the model to the CPU, where it is, keeps the
     # plan (until 2026-12-07 the move dropped it, and the first step planned again)
-    assert len(opt._planned) == 1 and opt.planned is first
+    assert opt.planned is first and _plans(opt) == 1
     assert len(trained.losses) == 2 and all(math.isfinite(x) for x in trained.losses)
     assert not torch.equal(before, model.transformer.h[0].mlp.c_fc.weight)  # it trained the model's parameters
     assert trained.losses == train_with_trainer(reference, ids, steps=2, output_dir=str(tmp_path / "eager")).losses
@@ -126,7 +133,7 @@ def test_trainer_saves_a_model_planned_in_place_as_it_saves_the_model(tmp_path):
     for region in regions:
         region.register_forward_pre_hook(lambda module, args: calls.append(module))
     trained = train_with_trainer(model, ids, steps=2, output_dir=str(tmp_path / "planned"), save_steps=2)
-    assert opt.planned is first and len(opt._planned) == 1
+    assert opt.planned is first and _plans(opt) == 1
     assert regions and len(calls) == 2 * len(regions)  # each step ran the plan's regions
     assert trained.losses == train_with_trainer(reference, ids, steps=2, output_dir=str(tmp_path / "eager")).losses
     saved = type(model).from_pretrained(str(tmp_path / "planned" / "checkpoint-2"))
