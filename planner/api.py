@@ -35,7 +35,7 @@ from .budget import Budget, format_bytes, parse_budget
 from .compiled import CompiledFit, fit_plans
 from .capture import (CapturedGraph, RecaptureWarning, autocast_state, capture, casts_uncached, changed_values,
                       hooks_signature, input_signature, is_layout_copy, mutated_nodes, no_larger_than,
-                      numbers_signature, outside_autocast, placed_stage_nodes, plan_key)
+                      numbers_signature, outside_autocast, placed_stage_nodes, plan_key, trained_signature)
 from .devices import DeviceSpec, device_spec, spec_for_gpu
 from .meta import device_type_of, meta_copy, target_kernels, tensors_of
 from .timing import AnalyticStopwatch, Estimate, stopwatch_for
@@ -1324,14 +1324,16 @@ class OptimizedModule(torch.nn.Module):
 
     def _same_graph_planned(self, captured: CapturedGraph, grads_held: bool) -> Planned | None:
         """The plan made for this very graph (the same code, constants included, on inputs of the same shapes, in
-        the same autocast state, with the same hooks and gradients held alike), if any: numbers changed since that
-        the graph does not read (Accelerate marks the model it prepares with ``_is_accelerate_prepared``)."""
+        the same autocast state, with the same hooks, parameters trained and gradients held alike), if any: numbers
+        changed since that the graph does not read (Accelerate marks the model it prepares with
+        ``_is_accelerate_prepared``)."""
         code = captured.graph_module.code
         return next((planned for planned, _ in self._planned.values()
                      if planned.captured.input_signature == captured.input_signature
                      and planned.captured.autocast == captured.autocast and planned.captured.hooks == captured.hooks
                      and planned.captured.sharding is None and planned.plan.grads_held == grads_held
-                     and planned.captured.graph_module.code == code), None)
+                     and planned.captured.trained == captured.trained and planned.captured.graph_module.code == code),
+                    None)
 
     def _plan_new(self, args: tuple, kwargs: dict) -> None:
         """:meth:`_plan_for` a call whose key is new, noting when only values the graph holds as constants changed
@@ -1373,15 +1375,16 @@ class OptimizedModule(torch.nn.Module):
         return calls * planned.plan.predicted_recompute_seconds >= planned.planning_seconds
 
     def _larger_plan(self, captured: CapturedGraph, grads_held: bool) -> Planned | None:
-        """Of the plans made for the same graph on inputs at least as large, in the same autocast state and with
-        gradients held alike, the one for the smallest (:func:`~planner.capture.no_larger_than`); None without any,
-        or with ``compile=`` (a compiled plan is measured for its shapes)."""
+        """Of the plans made for the same graph on inputs at least as large, in the same autocast state, with the
+        same parameters trained and gradients held alike, the one for the smallest
+        (:func:`~planner.capture.no_larger_than`); None without any, or with ``compile=`` (a compiled plan is
+        measured for its shapes)."""
         if self._options.get("compile") is not None:
             return None
         graph = captured.graph_module.graph
         larger = [planned for planned, _ in self._planned.values()
                   if planned.captured.autocast == captured.autocast and planned.captured.sharding is None
-                  and planned.plan.grads_held == grads_held
+                  and planned.plan.grads_held == grads_held and planned.captured.trained == captured.trained
                   and no_larger_than(graph, planned.captured.graph_module.graph)]
         return min(larger, key=lambda planned: planned.plan.eager_peak_bytes, default=None)
 
@@ -1497,8 +1500,9 @@ class OptimizedModule(torch.nn.Module):
         return fitting
 
     def _key(self, args: tuple, kwargs: dict, sharded: tuple | None) -> tuple:
+        modules = self._listed_modules()
         key = plan_key(input_signature(args, kwargs), autocast_state(), sharded, self._hooks_now(),
-                       numbers_signature(self.model, self._listed_modules()))
+                       numbers_signature(self.model, modules), trained_signature(self.model, modules))
         return (*key, GRADS_HELD) if sharded is None and self._grads_held_now() else key
 
     def _grads_held_now(self) -> bool:

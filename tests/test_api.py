@@ -199,6 +199,32 @@ def test_a_batchnorm_frozen_after_planning_trains_frozen():
     assert model.training and not any(block[1].training for block in model)
 
 
+def test_layers_unfrozen_after_planning_get_a_plan_that_holds_their_gradients():
+    """Gradual unfreezing: a plan made with layers frozen holds none of their gradients, and until 2026-12-07 it
+    ran on after they were unfrozen (a 6-block MLP planned at 80% with 4 blocks frozen stepped at 482 MB, 2.3 times
+    its 211 MB budget). Which parameters train is in the plan's key: unfrozen, the model is planned again, and
+    frozen again, it runs its first plan."""
+    torch.manual_seed(0)
+    model = Blocks(n=6)
+    x = torch.randn(512, 32)
+    for layer in model.layers[:4]:
+        layer.requires_grad_(False)
+    opt = planner.optimize(model, "80%", example_inputs=(x,), loss_fn=_loss, profile_repeats=1)
+    first = opt.planned
+    model.requires_grad_(True)
+    eager = training_step(model, lambda m: _loss(m(x)), (x,))
+    _loss(opt(x)).backward()  # plans the unfrozen model (planning measures an eager step)
+    model.zero_grad(set_to_none=True)
+    planned = training_step(opt, lambda m: _loss(m(x)), (x,), owner=model)
+    assert_same_training(eager, planned, atol=0)
+    assert opt.planned is not first and planned.peak_bytes <= opt.plan.budget_bytes
+    assert opt.plan.eager_peak_bytes > first.plan.eager_peak_bytes  # with the gradients of all six blocks
+    for layer in model.layers[:4]:
+        layer.requires_grad_(False)
+    _loss(opt(x)).backward()
+    assert opt.planned is first
+
+
 def _profiling_runs_out_of_memory(monkeypatch, gpu):
     """The profile of anything but meta tensors raises CUDA's out-of-memory error, and the CPU stands for ``gpu``
     (a spec, or None for a GPU the registry does not know)."""
