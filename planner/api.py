@@ -23,12 +23,13 @@ import itertools
 import os
 import time
 import warnings
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 import torch
-from torch.utils._pytree import tree_map_only
+from torch.utils._pytree import tree_flatten, tree_map_only
 
 from .attention import without_unmasking_mask
 from .budget import Budget, format_bytes, parse_budget
@@ -45,8 +46,9 @@ from .costmodel import (Granularity, add_checkpoint_overheads, build_problem, ca
 from .dropout import is_mask, is_state
 from .errors import InfeasibleBudgetError, PlannerError
 from .plan import Plan, SolverStatus, budget_for_usable, usable_bytes
-from .problem import Problem, RecomputeOption, Region, Schedule, recompute_seconds, region_caches, simulate
-from .meter import device_allocator_peak_bytes
+from .problem import (Problem, RecomputeOption, Region, Schedule, held_after_forward_bytes, recompute_seconds,
+                      region_caches, simulate)
+from .meter import device_allocator_peak_bytes, storage_bytes
 from .profile import (GraphProfile, StageMeasurement, annotated, default_loss, held_gradients, measure_stages,
                       paired_step_seconds, preserved_training_state, profile_graph)
 from .parts import (PartialCaptureWarning, ReducedBudget, capturable_parts, parts_planned, record_calls,
@@ -939,7 +941,8 @@ def _plan_captured(model, captured: CapturedGraph, budget, *, loss_fn, optimizer
                    profile_repeats: int, solver_options: dict | None, hold_outputs: bool = True,
                    device: str | DeviceSpec | None = None, allocator_margin: float | None = None,
                    posed: Posed | None = None, granularity: str | Granularity = Granularity.BLOCK,
-                   compile: dict | None = None, grads_held: bool | None = False) -> Planned:
+                   compile: dict | None = None, grads_held: bool | None = False,
+                   calls_per_step: int | None = 1) -> Planned:
     spec = device_spec(device) if device is not None else None
     device_type = captured_device_type(captured)
     parsed = device_budget(budget, spec, device_type)
@@ -949,20 +952,29 @@ def _plan_captured(model, captured: CapturedGraph, budget, *, loss_fn, optimizer
                                          hold_outputs=hold_outputs, granularity=granularity_of(granularity),
                                          compiled=compile is not None, grads_held=bool(grads_held))
     problem = posed.problem
-    eager = simulate(problem, Schedule.store_all(problem.num_stages)).peak_bytes
+    calls, input_bytes = max(1, calls_per_step or 1), _input_bytes(captured)
+    store_all = Schedule.store_all(problem.num_stages)
+    eager = simulate(problem, store_all).peak_bytes + (calls - 1) * (held_after_forward_bytes(problem, store_all)
+                                                                     + input_bytes)
     budget_bytes = parsed.resolve(eager)
     _check_fits(parsed, budget_bytes, spec)
     known = block_checkpoints(posed.block_ranges) if posed.block_ranges is not None else ()
 
-    def solve(target: int) -> Plan:
-        return solvers.solve(problem, target, method=solver, known=known, **(solver_options or {}))
+    def solve_once(searched: Problem, target: int) -> Plan:
+        if calls > 1 and solver == "auto":  # solve_for_calls solves 30-40 times: the DP, not the ILP after it
+            return solvers.solve(searched, target, method="dp", known=known)
+        return solvers.solve(searched, target, method=solver, known=known, **(solver_options or {}))
+
+    def solve(target: int) -> Plan:  # with the other calls of a step held while one steps (see solve_for_calls)
+        return solvers.solve_for_calls(problem, target, calls, solve_once, input_bytes=input_bytes)
 
     compiled_module, compiled_extra = None, ()
     try:
         if compile is not None:
             fit = _fit_compiled(captured, posed, solve, usable_bytes(budget_bytes, margin),
                                 compile_options=compile, loss_fn=loss_fn, hold_outputs=hold_outputs,
-                                grads_held=bool(grads_held))
+                                grads_held=bool(grads_held), others_held=lambda plan: (calls - 1) * (
+                                    held_after_forward_bytes(problem, plan.schedule) + input_bytes))
             result, compiled_module = fit.kept.plan, fit.kept.payload
             compiled_extra = (("compiled_peak_bytes", fit.kept.peak_bytes),
                               ("compiled_plans_measured", len(fit.tried)),
@@ -983,6 +995,13 @@ def _plan_captured(model, captured: CapturedGraph, budget, *, loss_fn, optimizer
                                  torch_version=torch.__version__, device=_device_of(model), timing=posed.timing,
                                  allocator_margin=margin, extra=result.extra + extra)
     return Planned(captured, problem, result, compiled_module)
+
+
+def _input_bytes(captured: CapturedGraph) -> int:
+    """The bytes of the captured call's tensor inputs (another call of the model holds inputs of its own)."""
+    tensors = [x for x in tree_flatten((captured.example_args, captured.example_kwargs))[0]
+               if isinstance(x, torch.Tensor)]
+    return storage_bytes(tensors)
 
 
 def _compiled_training_step(module: torch.nn.Module, captured: CapturedGraph, loss_fn: Callable | None,
@@ -1008,10 +1027,11 @@ def _compiled_training_step(module: torch.nn.Module, captured: CapturedGraph, lo
 
 def _fit_compiled(captured: CapturedGraph, posed: Posed, solve: Callable[[int], Plan], usable: int, *,
                   compile_options: dict, loss_fn: Callable | None, hold_outputs: bool,
-                  grads_held: bool = False) -> CompiledFit:
+                  grads_held: bool = False, others_held: Callable[[Plan], int] = lambda plan: 0) -> CompiledFit:
     """Plan for ``usable`` bytes under ``torch.compile(**compile_options)``: each plan is compiled and one training
     step measured through the device's allocator (:func:`~planner.compiled.fit_plans`), on top of what the problem
-    holds fixed (parameters, buffers, inputs, optimizer state); raises :class:`InfeasibleBudgetError` naming the
+    holds fixed (parameters, buffers, inputs, optimizer state) and what ``others_held`` says the step's other calls
+    hold meanwhile (see :func:`~planner.solvers.solve_for_calls`); raises :class:`InfeasibleBudgetError` naming the
     lowest compiled peak when no compiled plan fits."""
     gm = captured.graph_module
     fixed = posed.problem.fixed_bytes
@@ -1022,7 +1042,7 @@ def _fit_compiled(captured: CapturedGraph, posed: Posed, solve: Callable[[int], 
         step = _compiled_training_step(module, captured, loss_fn, hold_outputs, grads_held)
         with preserved_training_state(gm):
             step()  # compiles, and leaves the gradients held (when they are) before the step measured
-            return fixed + device_allocator_peak_bytes(step, device_type), module
+            return fixed + device_allocator_peak_bytes(step, device_type) + others_held(plan), module
 
     fit = fit_plans(solve, measure, usable)
     if fit.kept is None:
@@ -1063,12 +1083,13 @@ def plan(model: torch.nn.Module, budget: int | str | None, example_inputs: Any =
          solver_options: dict | None = None, hold_outputs: bool = True, device: str | DeviceSpec | None = None,
          allocator_margin: float | None = None, ddp: bool = False,
          granularity: str | Granularity = Granularity.BLOCK, compile: bool | dict = False,
-         grads_held: bool = False) -> Plan:
+         grads_held: bool = False, calls_per_step: int = 1) -> Plan:
     """Plan ``model`` under ``budget`` without rewriting it; see :func:`optimize` for the arguments.
 
     A model built under ``with torch.device("meta"):`` (inputs made with ``device="meta"``) is planned without
     allocating anything; give ``device=`` the GPU to plan for. The plan applies to the real model with
-    :func:`apply`. ``grads_held=True`` plans the steps of gradient accumulation after the first.
+    :func:`apply`. ``grads_held=True`` plans the steps of gradient accumulation after the first,
+    ``calls_per_step=2`` steps that call the model twice before one backward.
     """
     if example_inputs is None and not example_kwargs:
         raise PlannerError("planner.plan needs example inputs",
@@ -1078,7 +1099,7 @@ def plan(model: torch.nn.Module, budget: int | str | None, example_inputs: Any =
                    profile_repeats=profile_repeats, solver_options=solver_options, hold_outputs=hold_outputs,
                    device=device, allocator_margin=allocator_margin, ddp=ddp,
                    granularity=granularity_of(granularity), compile=_compile_options(compile, device),
-                   grads_held=grads_held)
+                   grads_held=grads_held, calls_per_step=_calls_option(calls_per_step))
     example_kwargs = without_unmasking_mask(model, dict(example_kwargs or {}))
     sharding = fsdp.sharding_of(model)
     if sharding is not None:
@@ -1102,7 +1123,10 @@ def _plan_sharded(model: torch.nn.Module, args: tuple, kwargs: dict, sharding: f
     if options.get("grads_held"):
         raise PlannerError("grads_held=True is not modelled for models sharded with fully_shard",
                            hint="leave grads_held unset: under FSDP steps are planned without held gradients")
-    options = {**options, "grads_held": False}
+    if (options.get("calls_per_step") or 1) > 1:
+        raise PlannerError("calls_per_step above 1 is not modelled for models sharded with fully_shard",
+                           hint="call the sharded model once a step (one batch of all the views)")
+    options = {**options, "grads_held": False, "calls_per_step": 1}
     fsdp.check_same_inputs_on_all_ranks(input_signature(args, kwargs))
     with fsdp.unsharded_for_capture(model, wrapper):
         captured = dataclasses.replace(capture_for(model, args, kwargs, options.get("device")), sharding=sharding)
@@ -1222,6 +1246,8 @@ class OptimizedModule(torch.nn.Module):
         # plans by key (see _key), reused ones in the order of their last use (see _forget_least_used_reused)
         self._planned: collections.OrderedDict[tuple, tuple[Planned, torch.nn.Module]] = collections.OrderedDict()
         self._recaptures: list[tuple[tuple[str, ...], float]] = []  # see _note_recapture
+        self._open_calls: list[weakref.ref] = []  # training calls whose backward has not begun (see _watch)
+        self._calls_seen = 1  # the most calls seen before one backward (see _calls_per_step)
         self._reused_calls: dict[tuple, int] = {}  # calls run under each reused plan (see _planning_pays)
         self._modules_listed: tuple[torch.nn.Module, ...] | None = None  # the model's modules, for hooks_signature
         self._parameters_listed: tuple[torch.nn.Parameter, ...] | None = None  # its parameters, for grads_held
@@ -1308,7 +1334,7 @@ class OptimizedModule(torch.nn.Module):
         held = self._grads_held_now()
         same = self._same_graph_planned(captured, held) if replacing is None else None
         if same is not None:  # numbers changed that the graph does not read: the same plan, under this key too
-            key = (*captured.key, GRADS_HELD) if held else captured.key
+            key = _with_step(captured.key, held, self._calls_per_step())
             self._planned[key] = self._planned[_stored_key(same)]
             self._last = same
             self._forget_least_used_reused(keep=key)
@@ -1318,7 +1344,8 @@ class OptimizedModule(torch.nn.Module):
             self.add_plan(_reused(larger, captured))
             return False
         budget = self.budget if replacing is None else replacing.plan.budget_bytes
-        planned = _plan_captured(self.model, captured, budget, **{**self._options, "grads_held": held})
+        planned = _plan_captured(self.model, captured, budget,
+                                 **{**self._options, "grads_held": held, "calls_per_step": self._calls_per_step()})
         self.add_plan(dataclasses.replace(planned, planning_seconds=time.perf_counter() - started))
         return True
 
@@ -1332,6 +1359,7 @@ class OptimizedModule(torch.nn.Module):
                      if planned.captured.input_signature == captured.input_signature
                      and planned.captured.autocast == captured.autocast and planned.captured.hooks == captured.hooks
                      and planned.captured.sharding is None and planned.plan.grads_held == grads_held
+                     and planned.plan.calls_per_step == self._calls_per_step()
                      and planned.captured.trained == captured.trained and planned.captured.graph_module.code == code),
                     None)
 
@@ -1385,6 +1413,7 @@ class OptimizedModule(torch.nn.Module):
         larger = [planned for planned, _ in self._planned.values()
                   if planned.captured.autocast == captured.autocast and planned.captured.sharding is None
                   and planned.plan.grads_held == grads_held and planned.captured.trained == captured.trained
+                  and planned.plan.calls_per_step == self._calls_per_step()
                   and no_larger_than(graph, planned.captured.graph_module.graph)]
         return min(larger, key=lambda planned: planned.plan.eager_peak_bytes, default=None)
 
@@ -1503,7 +1532,33 @@ class OptimizedModule(torch.nn.Module):
         modules = self._listed_modules()
         key = plan_key(input_signature(args, kwargs), autocast_state(), sharded, self._hooks_now(),
                        numbers_signature(self.model, modules), trained_signature(self.model, modules))
-        return (*key, GRADS_HELD) if sharded is None and self._grads_held_now() else key
+        if sharded is not None:
+            return key
+        return _with_step(key, self._grads_held_now(), self._calls_per_step())
+
+    def _calls_per_step(self) -> int:
+        """How many calls of the model a step makes before its backward: ``calls_per_step``, or by default the
+        most seen so far (this call and those whose backward has not begun: :meth:`_watch`). A step that calls it
+        once after others called it twice keeps the plan for two (it fits, recomputing more than it needs).
+        Traced by ``torch.compile(optimized)``, it learns nothing (pass the number)."""
+        if torch.compiler.is_compiling():
+            return max(self._options.get("calls_per_step") or 1, self._calls_seen)
+        self._open_calls = [ref for ref in self._open_calls if (call := ref()) is not None and not call.done]
+        self._calls_seen = max(self._calls_seen, len(self._open_calls) + 1)
+        return max(self._options.get("calls_per_step") or 1, self._calls_seen)
+
+    def _watch(self, outputs: Any) -> None:
+        """Note a training call until its backward begins (a gradient reaches one of its ``outputs``) or its graph
+        is freed without one: another call meanwhile runs while this one's saved tensors are held."""
+        tensors = [x for x in tree_flatten(outputs)[0] if isinstance(x, torch.Tensor) and x.requires_grad]
+        if not tensors or torch.compiler.is_compiling():
+            return
+        call = _OpenCall()  # held by the hook alone, which the graph holds: it dies with the graph
+
+        def begun(grads: Sequence[torch.Tensor | None]) -> None:
+            call.done = True
+        torch.autograd.graph.register_multi_grad_hook(tensors, begun, mode="any")
+        self._open_calls.append(weakref.ref(call))
 
     def _grads_held_now(self) -> bool:
         """Whether this step begins with gradients held (``grads_held``, or by default whether any trained
@@ -1568,8 +1623,11 @@ class OptimizedModule(torch.nn.Module):
             return module(*args, **kwargs)
         swapped = _swapped_tensors(self.model, module)
         if swapped:  # FSDP2 and the like put other tensors in the model's parameters: run on those
-            return torch.func.functional_call(module, swapped, args, kwargs, strict=False)
-        return module(*args, **kwargs)
+            outputs = torch.func.functional_call(module, swapped, args, kwargs, strict=False)
+        else:
+            outputs = module(*args, **kwargs)
+        self._watch(outputs)
+        return outputs
 
     def _forget_plans(self) -> None:
         for optimized in (self, *(self._parts or {}).values()):
@@ -1607,7 +1665,7 @@ class OptimizedModule(torch.nn.Module):
         """Pickled (``torch.save`` of the module, ``copy.deepcopy``) without its planned graphs, which hold code
         made at run time: the copy plans again on its first training call."""
         return {**super().__getstate__(), "_planned": collections.OrderedDict(), "_reused_calls": {},
-                "_recaptures": [], "_modules_listed": None,
+                "_recaptures": [], "_open_calls": [], "_modules_listed": None,
                 "_last": None}
 
     def __getattr__(self, name: str):
@@ -1689,7 +1747,8 @@ def optimize(model: torch.nn.Module, budget: int | str | None, example_inputs: A
              hold_outputs: bool = True, device: str | DeviceSpec | None = None,
              allocator_margin: float | None = None, ddp: bool = False,
              granularity: str | Granularity = Granularity.BLOCK, compile: bool | dict = False,
-             in_place: bool = False, reuse_plans: bool = True, grads_held: bool | None = None) -> OptimizedModule:
+             in_place: bool = False, reuse_plans: bool = True, grads_held: bool | None = None,
+             calls_per_step: int | None = None) -> OptimizedModule:
     """Return a module that trains ``model``'s own parameters within ``budget`` with the least recomputation.
 
     Parameters
@@ -1753,6 +1812,14 @@ def optimize(model: torch.nn.Module, budget: int | str | None, example_inputs: A
         trained parameter holding a gradient runs a plan made for that (planned on first need, as for a new input
         shape), the others the plan made without. ``True`` or ``False`` plans every call one way. Not modelled
         under FSDP, whose plans are made without.
+    calls_per_step : how many times a step calls the model before its backward (two augmented views through one
+        encoder, a discriminator on real and on fake samples, ``loss(opt(a)) + loss(opt(b))``): each call before
+        the last holds what its forward keeps for the backward, and its inputs, while the others run, so the plan
+        is made to fit the budget with them (:func:`~planner.solvers.solve_for_calls`), and a percentage budget is
+        of the eager step that calls it so. ``None`` (the default) learns it: a call made while another call's
+        backward has not begun is planned for one more call a step, and so are the calls after it (the first step
+        that does so may run its first calls under the plan for fewer: pass the number to plan for it from the
+        start). Not modelled under FSDP.
 
     Under FSDP2, ``fully_shard`` the blocks and then the model (or the module this returns), before or after this
     call: the plan is made for this rank's share (a sharded model plans again on its first call; without
@@ -1763,7 +1830,8 @@ def optimize(model: torch.nn.Module, budget: int | str | None, example_inputs: A
                    profile_repeats=profile_repeats, solver_options=solver_options, hold_outputs=hold_outputs,
                    device=device, allocator_margin=allocator_margin, ddp=ddp,
                    granularity=granularity_of(granularity), compile=_compile_options(compile, device),
-                   grads_held=grads_held)
+                   grads_held=grads_held,
+                   calls_per_step=None if calls_per_step is None else _calls_option(calls_per_step))
     if budget is not None:
         parse_budget(budget)  # fail early on a malformed budget
     optimized = OptimizedModule(model, budget, planner_options=options, reuse_plans=reuse_plans)
@@ -1779,9 +1847,43 @@ RECAPTURES_WARNED_AT = 8  # captures for changed constants before a RecaptureWar
 GRADS_HELD = "grads held"  # the last item of the key of a plan made for steps that begin with gradients held
 
 
+def _calls_option(calls_per_step: Any) -> int:
+    """``calls_per_step`` checked: a whole number of at least 1.
+
+    >>> _calls_option(2)
+    2
+    >>> _calls_option(0)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    planner.errors.PlannerError: calls_per_step=0 is not a number of calls. Hint: ...
+    """
+    if isinstance(calls_per_step, bool) or not isinstance(calls_per_step, int) or calls_per_step < 1:
+        raise PlannerError(f"calls_per_step={calls_per_step!r} is not a number of calls",
+                           hint="pass how many times a step calls the model before its backward, e.g. 2, or "
+                                "leave it None to learn it")
+    return calls_per_step
+
+
 def _stored_key(planned: Planned) -> tuple:
     """The key an :class:`OptimizedModule` keeps ``planned`` under (see ``OptimizedModule._key``)."""
-    return (*planned.captured.key, GRADS_HELD) if planned.plan.grads_held else planned.captured.key
+    if planned.captured.sharding is not None:
+        return planned.captured.key
+    return _with_step(planned.captured.key, planned.plan.grads_held, planned.plan.calls_per_step)
+
+
+def _with_step(key: tuple, grads_held: bool, calls_per_step: int) -> tuple:
+    """``key`` (:func:`~planner.capture.plan_key`) for steps that begin with gradients held or that call the
+    model more than once before their backward."""
+    return (*key, *((GRADS_HELD,) if grads_held else ()),
+            *((("calls", calls_per_step),) if calls_per_step > 1 else ()))
+
+
+class _OpenCall:
+    """A training call whose backward has not begun (see ``OptimizedModule._watch``)."""
+
+    __slots__ = ("done", "__weakref__")
+
+    def __init__(self):
+        self.done = False
 
 
 def _replannable_budget(plan: Plan) -> int | str:

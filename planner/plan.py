@@ -242,6 +242,13 @@ class Plan:
         return bool(dict(self.extra).get("grads_held", False))
 
     @property
+    def calls_per_step(self) -> int:
+        """How many calls of the model each step makes before its backward (two views through one encoder, a
+        discriminator on real and on fake samples): each call before the last holds what its forward keeps for the
+        backward while the others run, and the peaks count that (see ``planner.optimize(..., calls_per_step=)``)."""
+        return int(dict(self.extra).get("calls_per_step", 1))
+
+    @property
     def planned_budget_bytes(self) -> int | None:
         """The bytes the solver planned against: the budget less the allocator margin.
 
@@ -305,6 +312,8 @@ class Plan:
             + (" (steps that begin with the gradients held: gradient accumulation)" if self.grads_held else ""),
             f"  predicted peak  {format_bytes(self.predicted_peak_bytes)}"
             f" ({self.predicted_peak_bytes / max(self.eager_peak_bytes, 1):.0%} of eager)",
+            *([f"  calls per step  {self.calls_per_step} before one backward (peaks count the tensors each call "
+               f"holds for it while the others run)"] if self.calls_per_step > 1 else []),
             *([f"  reused          the plan for larger inputs ({self.reused_from}): these peaks and times are "
                f"upper bounds"] if self.reused_from else []),
             *([f"  compiled peak   {format_bytes(self.compiled_peak_bytes)} (measured under torch.compile("

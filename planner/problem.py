@@ -769,6 +769,27 @@ def simulate(problem: Problem, schedule: Schedule) -> Evaluation:
     return Evaluation(max(e.total_bytes for e in events), recompute, base + recompute, tuple(events))
 
 
+def held_after_forward_bytes(problem: Problem, schedule: Schedule) -> int:
+    """What a step of ``schedule`` holds beyond fixed memory from the end of its forward until its backward: the
+    tensors saved outside regions, the regions' inputs, the cached ones and the held outputs. Another call of the
+    model before that backward (two views through one encoder, a discriminator on real and on fake samples) runs
+    while this much is held.
+
+    >>> stages = tuple(Stage(f"s{i}", 1.0, 2.0) for i in range(3))
+    >>> inner = tuple(TensorInfo(f"a{i}", 100, i, frozenset({i}), frozenset({i})) for i in range(3))
+    >>> edges = tuple(TensorInfo(f"x{i}", 10, i, frozenset({i + 1}), frozenset({i + 1})) for i in range(2))
+    >>> problem = Problem(stages, inner + edges)
+    >>> held_after_forward_bytes(problem, Schedule.store_all(3)), held_after_forward_bytes(problem, Schedule.uniform(3))
+    (320, 20)
+    """
+    held = 0
+    for tensor in problem.tensors:
+        live = liveness(problem, schedule, tensor)
+        if live.held_from is not None or live.consumed_at is not None:
+            held += tensor.nbytes
+    return held
+
+
 def without_empty_regions(problem: Problem, schedule: Schedule) -> Schedule:
     """``schedule`` less its regions whose stages all save nothing (``Stage.saves_nothing``): run by a checkpoint,
     such a region keeps nothing and re-runs nothing, as if stored, while :func:`simulate` would hold its inputs

@@ -30,9 +30,9 @@ import dataclasses
 import time
 from typing import Callable, Sequence
 
-from ..errors import PlannerError
+from ..errors import InfeasibleBudgetError, PlannerError
 from ..plan import Plan, SolverStatus
-from ..problem import Problem, Schedule, without_empty_regions
+from ..problem import Problem, Region, Schedule, held_after_forward_bytes, simulate, without_empty_regions
 from .baselines import BASELINES, solve_baseline
 from .dp import GAP_TOLERANCE, lower_bound, minimum_peak, relative_gap, solve_dp
 from .ilp import min_peak_ilp, solve_ilp
@@ -40,7 +40,7 @@ from .ilp import min_peak_ilp, solve_ilp
 METHODS = ("auto", "ilp", "dp", *BASELINES)
 
 __all__ = ["METHODS", "lower_bound", "minimum_peak", "min_peak_ilp", "solve", "solve_baseline", "solve_dp",
-           "solve_ilp"]
+           "solve_for_calls", "solve_ilp"]
 
 
 def solve(problem: Problem, budget_bytes: int, method: str = "auto", *, known: Sequence[Schedule] = (),
@@ -59,6 +59,91 @@ def solve(problem: Problem, budget_bytes: int, method: str = "auto", *, known: S
             raise PlannerError(f"baseline {method!r} takes no options, got {sorted(options)}")
         return _without_empty_regions(problem, solve_baseline(problem, method, budget_bytes))
     raise PlannerError(f"unknown solver method {method!r}", hint=f"choose one of {', '.join(METHODS)}")
+
+
+def solve_for_calls(problem: Problem, budget_bytes: int, calls: int,
+                    solve_within: Callable[[Problem, int], Plan], *, input_bytes: int = 0) -> Plan:
+    """A plan for steps that call the model ``calls`` times before one backward (``solve_within(problem, target)``
+    plans one call of ``problem`` within ``target`` bytes): each call before the last holds what its forward keeps
+    for its backward (:func:`~planner.problem.held_after_forward_bytes`) and its ``input_bytes`` while the last
+    one steps, so a plan needs its own peak plus that much per other call. The solver is run for targets across
+    the range of peaks (:func:`_scanned`), on the problem as it is and on one whose tensors weigh ``calls`` times
+    their bytes (so that it prefers plans that hold less); eager's schedule and those that hold least (every stage
+    a region, all stages one region) are tried too, and of the plans that fit with the other calls the one that
+    recomputes least is kept. Its ``predicted_peak_bytes`` and ``eager_peak_bytes`` count the other
+    calls; it is not proven optimal for them (no gap). Raises :class:`~planner.errors.InfeasibleBudgetError`
+    naming the least peak of the plans tried when none fits.
+
+    >>> from planner.problem import Problem, Stage, TensorInfo
+    >>> stages = tuple(Stage(f"s{i}", 1.0, 2.0) for i in range(4))
+    >>> inner = tuple(TensorInfo(f"a{i}", 100, i, frozenset({i}), frozenset({i})) for i in range(4))
+    >>> edges = tuple(TensorInfo(f"x{i}", 10, i, frozenset({i + 1}), frozenset({i + 1})) for i in range(3))
+    >>> problem = Problem(stages, inner + edges)
+    >>> single = solve(problem, 400)  # holds 330 bytes for its backward: twice, 660
+    >>> twice = solve_for_calls(problem, 400, 2, solve)
+    >>> single.predicted_peak_bytes, single.predicted_recompute_seconds
+    (330, 1.0)
+    >>> twice.predicted_peak_bytes, twice.predicted_recompute_seconds, twice.eager_peak_bytes, twice.extra
+    (260, 3.0, 860, (('calls_per_step', 2),))
+    >>> solve_for_calls(problem, 150, 2, solve)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    planner.errors.InfeasibleBudgetError: budget 150 bytes does not fit 2 calls ... peak at 160 bytes ...
+    """
+    if calls <= 1:
+        return solve_within(problem, budget_bytes)
+
+    def evaluated(plan: Plan) -> Plan:  # priced on the problem itself, with what it needs beside the other calls
+        plan = plan if plan.predicted_peak_bytes == simulate(problem, plan.schedule).peak_bytes else \
+            Plan.from_schedule(problem, plan.schedule, solver=plan.solver, status=SolverStatus.FEASIBLE,
+                               solve_seconds=plan.solve_seconds)
+        needs = plan.predicted_peak_bytes + (calls - 1) * (held_after_forward_bytes(problem, plan.schedule)
+                                                           + input_bytes)
+        return dataclasses.replace(plan, predicted_peak_bytes=needs)
+    n = problem.num_stages
+    tried = [evaluated(Plan.from_schedule(problem, schedule, solver="calls", status=SolverStatus.FEASIBLE))
+             for schedule in (Schedule.store_all(n), Schedule.uniform(n), Schedule((Region(0, n),)))]
+    for searched in (problem, _weighted(problem, calls)):
+        tried += _scanned(searched, budget_bytes, lambda target: evaluated(solve_within(searched, target)))
+    fitting = [plan for plan in tried if plan.predicted_peak_bytes <= budget_bytes]
+    if not fitting:
+        smallest = min(plan.predicted_peak_bytes for plan in tried)
+        raise InfeasibleBudgetError(
+            f"budget {budget_bytes} bytes does not fit {calls} calls of the model before one backward: the plans "
+            f"for the least memory peak at {smallest} bytes with the other calls' held tensors and inputs",
+            hint=f"use a budget of at least {smallest} bytes, or call the model once a step (one batch of all the "
+                 f"views)", minimum_budget_bytes=smallest)
+    best = min(fitting, key=lambda plan: (plan.predicted_recompute_seconds, plan.predicted_peak_bytes))
+    eager = evaluated(Plan.from_schedule(problem, Schedule.store_all(n), solver="eager", status=SolverStatus.FEASIBLE))
+    return dataclasses.replace(best, eager_peak_bytes=eager.predicted_peak_bytes, gap=None, lower_bound_seconds=None,
+                               status=SolverStatus.FEASIBLE, extra=(*best.extra, ("calls_per_step", calls)))
+
+
+def _weighted(problem: Problem, factor: int) -> Problem:
+    """``problem`` with every tensor ``factor`` times its bytes."""
+    return dataclasses.replace(problem, tensors=tuple(dataclasses.replace(t, nbytes=t.nbytes * factor)
+                                                      for t in problem.tensors))
+
+
+def _scanned(problem: Problem, budget_bytes: int, planned: Callable[[int], Plan], points: int = 16) -> list[Plan]:
+    """The plans ``planned(target)`` makes for ``points`` targets spread from ``problem``'s least peak to eager's,
+    then bisecting between the largest target whose plan's ``predicted_peak_bytes`` is within ``budget_bytes`` and
+    the next (what a plan needs beside the other calls does not always grow with its target: a plan for less
+    memory may hold more after its forward)."""
+    low, high = minimum_peak(problem), simulate(problem, Schedule.store_all(problem.num_stages)).peak_bytes
+    targets = sorted({low + (high - low) * i // (points - 1) for i in range(points)})
+    plans = [planned(target) for target in targets]
+    fits = [i for i, plan in enumerate(plans) if plan.predicted_peak_bytes <= budget_bytes]
+    if not fits or fits[-1] == len(targets) - 1:
+        return plans
+    fitting, failing = targets[fits[-1]], targets[fits[-1] + 1]
+    while failing - fitting > max(1, budget_bytes // 1000):
+        middle = (fitting + failing) // 2
+        plans.append(planned(middle))
+        if plans[-1].predicted_peak_bytes <= budget_bytes:
+            fitting = middle
+        else:
+            failing = middle
+    return plans
 
 
 def _without_empty_regions(problem: Problem, plan: Plan) -> Plan:
