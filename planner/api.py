@@ -42,7 +42,7 @@ from .meta import device_type_of, meta_copy, target_kernels, tensors_of
 from .timing import AnalyticStopwatch, Estimate, stopwatch_for
 from .costmodel import (Granularity, add_checkpoint_overheads, build_problem, calibrate, created_tensors,
                         granularity_of, never_cached, partition_stages, passes_gradient_through, refinement,
-                        scale_seconds, with_seconds_of)
+                        scale_seconds, stage_gradient_bytes, with_seconds_of)
 from .dropout import is_mask, is_state
 from .errors import InfeasibleBudgetError, PlannerError
 from .plan import Plan, SolverStatus, budget_for_usable, usable_bytes
@@ -953,9 +953,9 @@ def _plan_captured(model, captured: CapturedGraph, budget, *, loss_fn, optimizer
                                          compiled=compile is not None, grads_held=bool(grads_held))
     problem = posed.problem
     calls, input_bytes = max(1, calls_per_step or 1), _input_bytes(captured)
-    store_all = Schedule.store_all(problem.num_stages)
-    eager = simulate(problem, store_all).peak_bytes + (calls - 1) * (held_after_forward_bytes(problem, store_all)
-                                                                     + input_bytes)
+    stage_grads = _held_stage_gradient_bytes(posed) if grads_held else None
+    eager = solvers.peak_with_calls(problem, Schedule.store_all(problem.num_stages), calls, input_bytes=input_bytes,
+                                    stage_gradient_bytes=stage_grads)
     budget_bytes = parsed.resolve(eager)
     _check_fits(parsed, budget_bytes, spec)
     known = block_checkpoints(posed.block_ranges) if posed.block_ranges is not None else ()
@@ -966,7 +966,8 @@ def _plan_captured(model, captured: CapturedGraph, budget, *, loss_fn, optimizer
         return solvers.solve(searched, target, method=solver, known=known, **(solver_options or {}))
 
     def solve(target: int) -> Plan:  # with the other calls of a step held while one steps (see solve_for_calls)
-        return solvers.solve_for_calls(problem, target, calls, solve_once, input_bytes=input_bytes)
+        return solvers.solve_for_calls(problem, target, calls, solve_once, input_bytes=input_bytes,
+                                       stage_gradient_bytes=stage_grads)
 
     compiled_module, compiled_extra = None, ()
     try:
@@ -995,6 +996,18 @@ def _plan_captured(model, captured: CapturedGraph, budget, *, loss_fn, optimizer
                                  torch_version=torch.__version__, device=_device_of(model), timing=posed.timing,
                                  allocator_margin=margin, extra=result.extra + extra)
     return Planned(captured, problem, result, compiled_module)
+
+
+def _held_stage_gradient_bytes(posed: Posed) -> list[int] | None:
+    """For a problem posed with gradients held (which makes none of its own): per stage, the gradients its backward
+    makes (sparse ones at their measured size), as a call before the step's backward makes them into autograd's
+    buffers (see :func:`~planner.solvers.peak_with_calls`); None without the profile."""
+    if posed.profile is None:
+        return None
+    profile = dataclasses.replace(posed.profile, param_grad_bytes={**posed.profile.param_grad_bytes,
+                                                                   **posed.measured.sparse_grad_bytes})
+    stage_of = {node: k for k, nodes in enumerate(posed.stage_nodes) for node in nodes}
+    return stage_gradient_bytes(profile, stage_of, len(posed.stage_nodes))
 
 
 def _input_bytes(captured: CapturedGraph) -> int:

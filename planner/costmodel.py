@@ -480,13 +480,7 @@ def build_problem(profile: GraphProfile, stages: Sequence[StageSpec], *, random_
             made[record.key] = tensors[-1]
             if (reader := last_rerun_reader(tensors[-1])) is not None:
                 released[reader][record.key] = record.nbytes
-    grad_stage: dict[str, int] = {}
-    for n in profile.nodes:
-        for param in n.param_reads if n.in_backward else ():
-            grad_stage[param] = max(grad_stage.get(param, -1), stage_of[n.name])
-    grads = Counter()
-    for param, stage in grad_stage.items():
-        grads[stage] += profile.param_grad_bytes.get(param, 0)
+    grads = stage_gradient_bytes(profile, stage_of, len(stages))
     output_grads = _crossing_gradient_bytes(profile, stage_of, readers, pass_through)
     makes_output = _stages_making_outputs(profile, stage_of)
     built = []
@@ -503,6 +497,19 @@ def build_problem(profile: GraphProfile, stages: Sequence[StageSpec], *, random_
     last_use = {key: max(readers.get(key, set()) | savers.get(key, set())) for key in readers.keys() | savers.keys()}
     return _with_replayed_workspaces(problem, [[by_name[x] for x in spec.nodes] for spec in stages], released,
                                      made, lambda key, k: last_use.get(key, -1) > k or key in profile.output_keys)
+
+
+def stage_gradient_bytes(profile: GraphProfile, stage_of: dict[str, int], num_stages: int) -> list[int]:
+    """Per stage, the bytes of the parameter gradients its backward makes (``profile.param_grad_bytes``): each
+    parameter's, at the last stage that reads it (whose backward finishes it)."""
+    grad_stage: dict[str, int] = {}
+    for n in profile.nodes:
+        for param in n.param_reads if n.in_backward else ():
+            grad_stage[param] = max(grad_stage.get(param, -1), stage_of[n.name])
+    grads = [0] * num_stages
+    for param, stage in grad_stage.items():
+        grads[stage] += profile.param_grad_bytes.get(param, 0)
+    return grads
 
 
 def _crossing_gradient_bytes(profile: GraphProfile, stage_of: dict[str, int], readers: dict[int, set[int]],

@@ -40,7 +40,7 @@ from .ilp import min_peak_ilp, solve_ilp
 METHODS = ("auto", "ilp", "dp", *BASELINES)
 
 __all__ = ["METHODS", "lower_bound", "minimum_peak", "min_peak_ilp", "solve", "solve_baseline", "solve_dp",
-           "solve_for_calls", "solve_ilp"]
+           "buffered_gradients", "peak_with_calls", "solve_for_calls", "solve_ilp"]
 
 
 def solve(problem: Problem, budget_bytes: int, method: str = "auto", *, known: Sequence[Schedule] = (),
@@ -62,13 +62,20 @@ def solve(problem: Problem, budget_bytes: int, method: str = "auto", *, known: S
 
 
 def solve_for_calls(problem: Problem, budget_bytes: int, calls: int,
-                    solve_within: Callable[[Problem, int], Plan], *, input_bytes: int = 0) -> Plan:
+                    solve_within: Callable[[Problem, int], Plan], *, input_bytes: int = 0,
+                    stage_gradient_bytes: Sequence[int] | None = None) -> Plan:
     """A plan for steps that call the model ``calls`` times before one backward (``solve_within(problem, target)``
     plans one call of ``problem`` within ``target`` bytes): each call before the last holds what its forward keeps
     for its backward (:func:`~planner.problem.held_after_forward_bytes`) and its ``input_bytes`` while the last
-    one steps, so a plan needs its own peak plus that much per other call. The solver is run for targets across
+    one steps, so a plan needs its own peak plus that much per other call. Autograd runs the last call's backward
+    first, and the gradients it makes (``stage_gradient_bytes``, see :func:`peak_with_calls`) wait in its buffers,
+    to be summed with the earlier calls', while those run their backwards (:func:`buffered_gradients`): a plan
+    needs that peak too, with the calls before held (where the gradients outweigh what a call holds, as for a
+    large model on small batches, this is the peak).
+    The solver is run for targets across
     the range of peaks (:func:`_scanned`), on the problem as it is and on one whose tensors weigh ``calls`` times
-    their bytes (so that it prefers plans that hold less); eager's schedule and those that hold least (every stage
+    their bytes (so that it prefers plans that hold less), and on :func:`buffered_gradients`'s problem; eager's
+    schedule and those that hold least (every stage
     a region, all stages one region) are tried too, and of the plans that fit with the other calls the one that
     recomputes least is kept. Its ``predicted_peak_bytes`` and ``eager_peak_bytes`` count the other
     calls; it is not proven optimal for them (no gap). Raises :class:`~planner.errors.InfeasibleBudgetError`
@@ -92,17 +99,19 @@ def solve_for_calls(problem: Problem, budget_bytes: int, calls: int,
     if calls <= 1:
         return solve_within(problem, budget_bytes)
 
+    grads = [s.grad_bytes for s in problem.stages] if stage_gradient_bytes is None else list(stage_gradient_bytes)
+    buffered = buffered_gradients(problem, sum(grads))
+
     def evaluated(plan: Plan) -> Plan:  # priced on the problem itself, with what it needs beside the other calls
-        plan = plan if plan.predicted_peak_bytes == simulate(problem, plan.schedule).peak_bytes else \
-            Plan.from_schedule(problem, plan.schedule, solver=plan.solver, status=SolverStatus.FEASIBLE,
-                               solve_seconds=plan.solve_seconds)
-        needs = plan.predicted_peak_bytes + (calls - 1) * (held_after_forward_bytes(problem, plan.schedule)
-                                                           + input_bytes)
-        return dataclasses.replace(plan, predicted_peak_bytes=needs)
+        if plan.predicted_peak_bytes != simulate(problem, plan.schedule).peak_bytes:
+            plan = Plan.from_schedule(problem, plan.schedule, solver=plan.solver, status=SolverStatus.FEASIBLE,
+                                      solve_seconds=plan.solve_seconds)
+        return dataclasses.replace(plan, predicted_peak_bytes=peak_with_calls(
+            problem, plan.schedule, calls, input_bytes=input_bytes, stage_gradient_bytes=grads))
     n = problem.num_stages
     tried = [evaluated(Plan.from_schedule(problem, schedule, solver="calls", status=SolverStatus.FEASIBLE))
              for schedule in (Schedule.store_all(n), Schedule.uniform(n), Schedule((Region(0, n),)))]
-    for searched in (problem, _weighted(problem, calls)):
+    for searched in (problem, _weighted(problem, calls), *((buffered,) if sum(grads) else ())):
         tried += _scanned(searched, budget_bytes, lambda target: evaluated(solve_within(searched, target)))
     fitting = [plan for plan in tried if plan.predicted_peak_bytes <= budget_bytes]
     if not fitting:
@@ -116,6 +125,51 @@ def solve_for_calls(problem: Problem, budget_bytes: int, calls: int,
     eager = evaluated(Plan.from_schedule(problem, Schedule.store_all(n), solver="eager", status=SolverStatus.FEASIBLE))
     return dataclasses.replace(best, eager_peak_bytes=eager.predicted_peak_bytes, gap=None, lower_bound_seconds=None,
                                status=SolverStatus.FEASIBLE, extra=(*best.extra, ("calls_per_step", calls)))
+
+
+def peak_with_calls(problem: Problem, schedule: Schedule, calls: int, *, input_bytes: int = 0,
+                    stage_gradient_bytes: Sequence[int] | None = None) -> int:
+    """The peak of a step that runs ``schedule`` for ``calls`` calls of the model before one backward (see
+    :func:`solve_for_calls`): the last call's step with the others' held tensors and inputs, its gradients waiting
+    in autograd's buffers as its stages make them (``stage_gradient_bytes`` per stage: by default the problem's
+    own; a problem for gradients held from before makes none of its own), or an earlier call's backward with all
+    of them waiting (:func:`buffered_gradients`).
+
+    >>> from planner.problem import Problem, Stage, TensorInfo
+    >>> stages = tuple(Stage(f"s{i}", 1.0, 2.0, grad_bytes=150) for i in range(2))
+    >>> problem = Problem(stages, tuple(TensorInfo(f"a{i}", 100, i, frozenset({i}), frozenset({i})) for i in range(2)))
+    >>> eager = Schedule.store_all(2)
+    >>> simulate(problem, eager).peak_bytes, held_after_forward_bytes(problem, eager)  # 300: activations gone
+    (300, 200)
+    >>> peak_with_calls(problem, eager, 2)  # the second call's 300 with the first's 200 held
+    500
+    >>> peak_with_calls(problem, eager, 3)  # and the first call's backward: 300 buffered, its 200, the other 200
+    700
+    """
+    if calls <= 1:
+        return simulate(problem, schedule).peak_bytes
+    grads = [s.grad_bytes for s in problem.stages] if stage_gradient_bytes is None else list(stage_gradient_bytes)
+    making = problem if stage_gradient_bytes is None else dataclasses.replace(
+        problem, stages=tuple(dataclasses.replace(s, grad_bytes=g) for s, g in zip(problem.stages, grads)))
+    held = held_after_forward_bytes(problem, schedule)
+    last = simulate(making, schedule).peak_bytes + (calls - 1) * held
+    earlier = simulate(buffered_gradients(problem, sum(grads)), schedule).peak_bytes + (calls - 2) * held
+    return max(last, earlier) + (calls - 1) * input_bytes
+
+
+def buffered_gradients(problem: Problem, gradient_bytes: int) -> Problem:
+    """``problem`` for the backward of a call made before others in one step: the ``gradient_bytes`` the later
+    calls' backwards made (autograd runs them first) wait in its buffers from the start, fixed, and this call's
+    gradients are summed into them, so none of its stages makes gradients that stay.
+
+    >>> from planner.problem import Stage
+    >>> problem = Problem((Stage("s", 1.0, 2.0, grad_bytes=40),), (), fixed_bytes=100)
+    >>> buffered = buffered_gradients(problem, 40)
+    >>> buffered.fixed_bytes, buffered.stages[0].grad_bytes
+    (140, 0)
+    """
+    return dataclasses.replace(problem, fixed_bytes=problem.fixed_bytes + gradient_bytes,
+                               stages=tuple(dataclasses.replace(s, grad_bytes=0) for s in problem.stages))
 
 
 def _weighted(problem: Problem, factor: int) -> Problem:
