@@ -71,13 +71,11 @@ def solve_for_calls(problem: Problem, budget_bytes: int, calls: int,
     first, and the gradients it makes (``stage_gradient_bytes``, see :func:`peak_with_calls`) wait in its buffers,
     to be summed with the earlier calls', while those run their backwards (:func:`buffered_gradients`): a plan
     needs that peak too, with the calls before held (where the gradients outweigh what a call holds, as for a
-    large model on small batches, this is the peak).
-    The solver is run for targets across
-    the range of peaks (:func:`_scanned`), on the problem as it is and on one whose tensors weigh ``calls`` times
-    their bytes (so that it prefers plans that hold less), and on :func:`buffered_gradients`'s problem; eager's
-    schedule and those that hold least (every stage
-    a region, all stages one region) are tried too, and of the plans that fit with the other calls the one that
-    recomputes least is kept. Its ``predicted_peak_bytes`` and ``eager_peak_bytes`` count the other
+    large model on small batches, this is the peak). The solver is run for targets across the range of peaks
+    (:func:`_scanned`) on the problem as it is, on one whose tensors weigh ``calls`` times their bytes (so that it
+    prefers plans that hold less) and on :func:`buffered_gradients`'s; eager's schedule and those that hold least
+    (every stage a region, all stages one region) are tried too, and of the plans that fit with the other calls
+    the one that recomputes least is kept. Its ``predicted_peak_bytes`` and ``eager_peak_bytes`` count the other
     calls; it is not proven optimal for them (no gap). Raises :class:`~planner.errors.InfeasibleBudgetError`
     naming the least peak of the plans tried when none fits.
 
@@ -102,17 +100,17 @@ def solve_for_calls(problem: Problem, budget_bytes: int, calls: int,
     grads = [s.grad_bytes for s in problem.stages] if stage_gradient_bytes is None else list(stage_gradient_bytes)
     buffered = buffered_gradients(problem, sum(grads))
 
-    def evaluated(plan: Plan) -> Plan:  # priced on the problem itself, with what it needs beside the other calls
-        if plan.predicted_peak_bytes != simulate(problem, plan.schedule).peak_bytes:
+    def evaluated(plan: Plan, searched: Problem) -> Plan:  # priced on the problem, beside the other calls
+        if searched is not problem:
             plan = Plan.from_schedule(problem, plan.schedule, solver=plan.solver, status=SolverStatus.FEASIBLE,
                                       solve_seconds=plan.solve_seconds)
         return dataclasses.replace(plan, predicted_peak_bytes=peak_with_calls(
             problem, plan.schedule, calls, input_bytes=input_bytes, stage_gradient_bytes=grads))
     n = problem.num_stages
-    tried = [evaluated(Plan.from_schedule(problem, schedule, solver="calls", status=SolverStatus.FEASIBLE))
+    tried = [evaluated(Plan.from_schedule(problem, schedule, solver="calls", status=SolverStatus.FEASIBLE), problem)
              for schedule in (Schedule.store_all(n), Schedule.uniform(n), Schedule((Region(0, n),)))]
     for searched in (problem, _weighted(problem, calls), *((buffered,) if sum(grads) else ())):
-        tried += _scanned(searched, budget_bytes, lambda target: evaluated(solve_within(searched, target)))
+        tried += _scanned(searched, budget_bytes, lambda target: evaluated(solve_within(searched, target), searched))
     fitting = [plan for plan in tried if plan.predicted_peak_bytes <= budget_bytes]
     if not fitting:
         smallest = min(plan.predicted_peak_bytes for plan in tried)
@@ -122,7 +120,7 @@ def solve_for_calls(problem: Problem, budget_bytes: int, calls: int,
             hint=f"use a budget of at least {smallest} bytes, or call the model once a step (one batch of all the "
                  f"views)", minimum_budget_bytes=smallest)
     best = min(fitting, key=lambda plan: (plan.predicted_recompute_seconds, plan.predicted_peak_bytes))
-    eager = evaluated(Plan.from_schedule(problem, Schedule.store_all(n), solver="eager", status=SolverStatus.FEASIBLE))
+    eager = tried[0]  # eager's schedule
     return dataclasses.replace(best, eager_peak_bytes=eager.predicted_peak_bytes, gap=None, lower_bound_seconds=None,
                                status=SolverStatus.FEASIBLE, extra=(*best.extra, ("calls_per_step", calls)))
 
