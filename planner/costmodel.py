@@ -63,21 +63,37 @@ def _block_container(paths: Sequence[str]) -> str | None:
     """The module path whose numbered children ("h.0", "h.1", ...) run the most nodes: the repeated blocks.
 
     Most nodes first, then most children: the numbered layers inside one block (``blocks.0.layers.0 .. 4``)
-    may outnumber the blocks (``blocks.0 .. 3``) but never run more nodes than all the blocks together.
+    may outnumber the blocks (``blocks.0 .. 3``) but never run more nodes than all the blocks together. A container
+    one of whose children runs most of its nodes (three quarters or more) is a wrapper, not repeated blocks
+    (``nn.Sequential(backbone, head)``): the container inside that child is taken where there is one. Until
+    2026-12-07 such a model was one stage, and no plan could shed anything.
+
+    >>> paths = [f"0.layers.{i}.{j}" for i in range(4) for j in range(3)] + ["1"]
+    >>> _block_container(paths)
+    '0.layers'
+    >>> _block_container([f"blocks.{i}.layers.{j}" for i in range(4) for j in range(5)])
+    'blocks'
     """
     counts: Counter[str] = Counter()
-    children: dict[str, set[str]] = {}
+    children: dict[str, Counter[str]] = {}
     for path in paths:
         parts = path.split(".")
         for i, part in enumerate(parts):
             if part.isdigit():
                 prefix = ".".join(parts[:i])
-                children.setdefault(prefix, set()).add(part)
+                children.setdefault(prefix, Counter())[part] += 1
                 counts[prefix] += 1
     candidates = [p for p, kids in children.items() if len(kids) >= 2]
     if not candidates:
         return None
-    return max(candidates, key=lambda p: (counts[p], len(children[p])))
+    best = max(candidates, key=lambda p: (counts[p], len(children[p])))
+    while True:
+        child, runs = children[best].most_common(1)[0]
+        inside = f"{best}.{child}" if best else child
+        nested = [p for p in candidates if p == inside or p.startswith(inside + ".")]
+        if runs < 0.75 * counts[best] or not nested:
+            return best
+        best = max(nested, key=lambda p: (counts[p], len(children[p])))
 
 
 def _key(path: str, depth: int) -> str:

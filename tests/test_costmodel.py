@@ -125,6 +125,16 @@ def test_the_blocks_are_the_repeated_modules_even_when_one_block_has_more_number
     assert [s.name for s in stages] == [f"blocks.{i}" for i in range(4)]
 
 
+def test_the_blocks_are_found_inside_a_wrapper_of_a_backbone_and_a_head():
+    """``nn.Sequential(backbone, head)``: the root's numbered children run the most nodes, but one of them runs
+    nearly all; until 2026-12-07 the model was cut into one stage (the backbone), and the least peak any plan
+    reached was eager's."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(Tower(blocks=4), torch.nn.Linear(1, 4))
+    _, stages = _stages_of(model, torch.randn(128, 8))
+    assert [s.name for s in stages] == [f"0.blocks.{i}" for i in range(4)] + ["0.head+1"]
+
+
 @pytest.mark.parametrize("name, tail", [("llama", "model.norm+lm_head"), ("bert", "cls.predictions"),
                                         ("gpt2", "transformer.ln_f+lm_head")])
 def test_transformers_get_their_final_norm_head_and_loss_as_a_stage_of_their_own(name, tail):
