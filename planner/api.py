@@ -46,8 +46,7 @@ from .costmodel import (Granularity, add_checkpoint_overheads, build_problem, ca
 from .dropout import is_mask, is_state
 from .errors import InfeasibleBudgetError, PlannerError
 from .plan import Plan, SolverStatus, budget_for_usable, usable_bytes
-from .problem import (Problem, RecomputeOption, Region, Schedule, held_after_forward_bytes, recompute_seconds,
-                      region_caches, simulate)
+from .problem import Problem, RecomputeOption, Region, Schedule, recompute_seconds, region_caches, simulate
 from .meter import device_allocator_peak_bytes, storage_bytes
 from .profile import (GraphProfile, StageMeasurement, annotated, default_loss, held_gradients, measure_stages,
                       paired_step_seconds, preserved_training_state, profile_graph)
@@ -974,8 +973,9 @@ def _plan_captured(model, captured: CapturedGraph, budget, *, loss_fn, optimizer
         if compile is not None:
             fit = _fit_compiled(captured, posed, solve, usable_bytes(budget_bytes, margin),
                                 compile_options=compile, loss_fn=loss_fn, hold_outputs=hold_outputs,
-                                grads_held=bool(grads_held), others_held=lambda plan: (calls - 1) * (
-                                    held_after_forward_bytes(problem, plan.schedule) + input_bytes))
+                                grads_held=bool(grads_held), others_held=lambda plan: solvers.peak_with_calls(
+                                    problem, plan.schedule, calls, input_bytes=input_bytes,
+                                    stage_gradient_bytes=stage_grads) - simulate(problem, plan.schedule).peak_bytes)
             result, compiled_module = fit.kept.plan, fit.kept.payload
             compiled_extra = (("compiled_peak_bytes", fit.kept.peak_bytes),
                               ("compiled_plans_measured", len(fit.tried)),
@@ -1043,9 +1043,9 @@ def _fit_compiled(captured: CapturedGraph, posed: Posed, solve: Callable[[int], 
                   grads_held: bool = False, others_held: Callable[[Plan], int] = lambda plan: 0) -> CompiledFit:
     """Plan for ``usable`` bytes under ``torch.compile(**compile_options)``: each plan is compiled and one training
     step measured through the device's allocator (:func:`~planner.compiled.fit_plans`), on top of what the problem
-    holds fixed (parameters, buffers, inputs, optimizer state) and what ``others_held`` says the step's other calls
-    hold meanwhile (see :func:`~planner.solvers.solve_for_calls`); raises :class:`InfeasibleBudgetError` naming the
-    lowest compiled peak when no compiled plan fits."""
+    holds fixed (parameters, buffers, inputs, optimizer state) and what ``others_held`` says a step of several
+    calls needs beyond one (:func:`~planner.solvers.peak_with_calls` less the plan's own peak); raises
+    :class:`InfeasibleBudgetError` naming the lowest compiled peak when no compiled plan fits."""
     gm = captured.graph_module
     fixed = posed.problem.fixed_bytes
     device_type = captured_device_type(captured)
@@ -1344,36 +1344,36 @@ class OptimizedModule(torch.nn.Module):
             self._parts = self._plan_parts(args, kwargs, error)
             self._parts_hooks = self._hooks_now()
             return True
-        held = self._grads_held_now()
-        same = self._same_graph_planned(captured, held) if replacing is None else None
+        held, calls = self._grads_held_now(), self._calls_per_step()
+        same = self._same_graph_planned(captured, held, calls) if replacing is None else None
         if same is not None:  # numbers changed that the graph does not read: the same plan, under this key too
-            key = _with_step(captured.key, held, self._calls_per_step())
+            key = _with_step(captured.key, held, calls)
             self._planned[key] = self._planned[_stored_key(same)]
             self._last = same
             self._forget_least_used_reused(keep=key)
             return False
-        larger = self._larger_plan(captured, held) if self.reuse_plans and replacing is None else None
+        larger = self._larger_plan(captured, held, calls) if self.reuse_plans and replacing is None else None
         if larger is not None:
             self.add_plan(_reused(larger, captured))
             return False
         budget = self.budget if replacing is None else replacing.plan.budget_bytes
         planned = _plan_captured(self.model, captured, budget,
-                                 **{**self._options, "grads_held": held, "calls_per_step": self._calls_per_step()})
+                                 **{**self._options, "grads_held": held, "calls_per_step": calls})
         self.add_plan(dataclasses.replace(planned, planning_seconds=time.perf_counter() - started))
         return True
 
-    def _same_graph_planned(self, captured: CapturedGraph, grads_held: bool) -> Planned | None:
+    def _same_graph_planned(self, captured: CapturedGraph, grads_held: bool, calls: int) -> Planned | None:
         """The plan made for this very graph (the same code, constants included, on inputs of the same shapes, in
-        the same autocast state, with the same hooks, parameters trained and gradients held alike), if any: numbers
-        changed since that the graph does not read (Accelerate marks the model it prepares with
-        ``_is_accelerate_prepared``)."""
+        the same autocast state, with the same hooks, parameters trained, gradients held alike and ``calls`` per
+        step), if any: numbers changed since that the graph does not read (Accelerate marks the model it prepares
+        with ``_is_accelerate_prepared``)."""
         code = captured.graph_module.code
         return next((planned for planned, _ in self._planned.values()
                      if planned.captured.input_signature == captured.input_signature
                      and planned.captured.autocast == captured.autocast and planned.captured.hooks == captured.hooks
                      and planned.captured.sharding is None and planned.plan.grads_held == grads_held
-                     and planned.plan.calls_per_step == self._calls_per_step()
-                     and planned.captured.trained == captured.trained and planned.captured.graph_module.code == code),
+                     and planned.plan.calls_per_step == calls and planned.captured.trained == captured.trained
+                     and planned.captured.graph_module.code == code),
                     None)
 
     def _plan_new(self, args: tuple, kwargs: dict) -> None:
@@ -1415,9 +1415,9 @@ class OptimizedModule(torch.nn.Module):
         self._reused_calls[key] = calls = self._reused_calls.get(key, 0) + 1
         return calls * planned.plan.predicted_recompute_seconds >= planned.planning_seconds
 
-    def _larger_plan(self, captured: CapturedGraph, grads_held: bool) -> Planned | None:
+    def _larger_plan(self, captured: CapturedGraph, grads_held: bool, calls: int) -> Planned | None:
         """Of the plans made for the same graph on inputs at least as large, in the same autocast state, with the
-        same parameters trained and gradients held alike, the one for the smallest
+        same parameters trained, gradients held alike and ``calls`` per step, the one for the smallest
         (:func:`~planner.capture.no_larger_than`); None without any, or with ``compile=`` (a compiled plan is
         measured for its shapes)."""
         if self._options.get("compile") is not None:
@@ -1426,7 +1426,7 @@ class OptimizedModule(torch.nn.Module):
         larger = [planned for planned, _ in self._planned.values()
                   if planned.captured.autocast == captured.autocast and planned.captured.sharding is None
                   and planned.plan.grads_held == grads_held and planned.captured.trained == captured.trained
-                  and planned.plan.calls_per_step == self._calls_per_step()
+                  and planned.plan.calls_per_step == calls
                   and no_larger_than(graph, planned.captured.graph_module.graph)]
         return min(larger, key=lambda planned: planned.plan.eager_peak_bytes, default=None)
 
@@ -1563,8 +1563,10 @@ class OptimizedModule(torch.nn.Module):
     def _watch(self, outputs: Any) -> None:
         """Note a training call until its backward begins (a gradient reaches one of its ``outputs``) or its graph
         is freed without one: another call meanwhile runs while this one's saved tensors are held."""
+        if torch.compiler.is_compiling():
+            return
         tensors = [x for x in tree_flatten(outputs)[0] if isinstance(x, torch.Tensor) and x.requires_grad]
-        if not tensors or torch.compiler.is_compiling():
+        if not tensors:
             return
         call = _OpenCall()  # held by the hook alone, which the graph holds: it dies with the graph
 
@@ -1626,8 +1628,7 @@ class OptimizedModule(torch.nn.Module):
                 return self._run_planned(run_model, args, kwargs)
         kwargs = planned_kwargs
         planned, module = self._planned[key]
-        if planned.plan.reused_from is not None or key != _stored_key(planned):  # kept as the most recently used
-            self._planned.move_to_end(key)
+        self._planned.move_to_end(key)  # the most recently used (what _forget_least_used_reused keeps)
         if planned.plan.reused_from is not None and self._planning_pays(key, planned):
             self._plan_for(args, kwargs, replacing=planned)
             planned, module = self._planned[key]

@@ -26,7 +26,7 @@ import random
 import sys
 import warnings
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from typing import AbstractSet, Any, Iterator, Sequence
 
 import torch
 import torch.fx as fx
@@ -281,16 +281,24 @@ def numbers_signature(model: torch.nn.Module, modules: Sequence[torch.nn.Module]
     """
     found = []
     for module in modules or model.modules():  # a loop, not a comprehension: 110 us for test-size GPT-2, not 250
-        attributes, cls = module.__dict__, type(module)
-        for name in attributes:
-            value = attributes[name]
-            kind = type(value)
-            if kind in _NUMBER_TYPES and name not in _MODULE_INTERNALS:
-                default = _class_default(cls, name)
-                if type(default) is kind and default == value:  # reads the same without it
-                    continue
-                found.append((id(module), name, kind, value if value == value else "nan"))
+        cls = type(module)
+        for name, value in _number_attributes(module, _MODULE_INTERNALS):
+            default = _class_default(cls, name)
+            if type(default) is type(value) and default == value:  # reads the same without it
+                continue
+            found.append((id(module), name, type(value), value if value == value else "nan"))
     return tuple(found)
+
+
+def _number_attributes(module: torch.nn.Module, excluded: AbstractSet[str]) -> Iterator[tuple[str, Any]]:
+    """``module``'s own ``int``, ``float`` and ``bool`` attributes (in its ``__dict__``), by name, but the
+    ``excluded`` names: what a captured graph holds as constants (:func:`numbers_signature`) and what a forward
+    may change without the graph knowing (:func:`_numbers`)."""
+    attributes = module.__dict__
+    for name in attributes:
+        value = attributes[name]
+        if type(value) in _NUMBER_TYPES and name not in excluded:
+            yield name, value
 
 
 def trained_signature(model: torch.nn.Module, modules: Sequence[torch.nn.Module] | None = None) -> tuple:
@@ -322,6 +330,7 @@ _NUMBER_TYPES = frozenset((int, float, bool))
 # nn.Module's own attributes but ``training`` (a BatchNorm frozen with eval() traces other ops):
 # ``_is_full_backward_hook`` is left True when the hook is removed (the hooks are in hooks_signature)
 _MODULE_INTERNALS = frozenset(vars(torch.nn.Module())) - {"training"}
+_TRAINING = frozenset({"training"})
 
 
 def hooks_signature(model: torch.nn.Module, modules: Sequence[torch.nn.Module] | None = None) -> tuple:
@@ -625,7 +634,7 @@ def _numbers(model: torch.nn.Module) -> dict[str, tuple[torch.nn.Module, str, An
     """The ``int``, ``float`` and ``bool`` attributes of ``model``'s modules but ``training``, by path: the module,
     the name and the value of each."""
     return {f"{path}.{name}" if path else name: (module, name, value) for path, module in model.named_modules()
-            for name, value in vars(module).items() if type(value) in _NUMBER_TYPES and name != "training"}
+            for name, value in _number_attributes(module, _TRAINING)}
 
 
 @contextlib.contextmanager
