@@ -229,8 +229,9 @@ def remembered_pose(captured: CapturedGraph, *, optimizer=None, ddp: bool = Fals
     for a large model, and its plans are priced alike. The graph is known by its :func:`fingerprint` (nodes,
     parameter shapes, input signature), which parameters train, the fixed training state, the options, the torch
     threads and the calibration's settings; the last :data:`REMEMBERED_POSES` are kept. :func:`forget_poses` makes
-    the next planning measure afresh. Posed with ``grads_held`` where the same graph was posed without, it takes
-    that problem's times (``pose(times_from=)``): the held gradients are measured, the calibration is not redone.
+    the next planning measure afresh. Posed with ``grads_held`` where the same graph was posed without, or the
+    other way round, it takes that problem's times (``pose(times_from=)``): the step is measured with or without
+    the held gradients, the calibration is not redone.
 
     >>> import torch
     >>> from planner.capture import capture
@@ -246,8 +247,7 @@ def remembered_pose(captured: CapturedGraph, *, optimizer=None, ddp: bool = Fals
     if key is None:
         return pose(captured, optimizer=optimizer, ddp=ddp, **options)
     if key not in _remembered:
-        twin = _pose_key(captured, optimizer, ddp, {**options, "grads_held": False}) \
-            if options.get("grads_held") else None
+        twin = _pose_key(captured, optimizer, ddp, {**options, "grads_held": not options.get("grads_held")})
         times = {"times_from": _remembered[twin]} if twin in _remembered else {}
         _remembered[key] = pose(captured, optimizer=optimizer, ddp=ddp, **options, **times)
         while len(_remembered) > REMEMBERED_POSES:
@@ -313,10 +313,10 @@ def pose(captured: CapturedGraph, *, loss_fn: Callable | None = None, optimizer=
     micro-batches after the first, or ``zero_grad(set_to_none=False)``): the gradients are fixed memory, and the
     eager step is measured with them held, each new gradient a temporary the backward adds into them.
 
-    ``times_from``: the pose of the same graph with the same options but ``grads_held`` (held gradients change
-    the step's memory, not what its ops or recomputation cost): its profile and calibrated times are taken
-    (:func:`~planner.costmodel.with_seconds_of`), and only the eager step is measured again, with the gradients
-    held. Calibrating again is most of the time planning a small model takes, and a profile timed afresh may
+    ``times_from``: the pose of the same graph with the same options but ``grads_held`` the other way (held
+    gradients change the step's memory, not what its ops or recomputation cost): its profile and calibrated times
+    are taken (:func:`~planner.costmodel.with_seconds_of`), and only the eager step is measured again, with or
+    without the gradients held. Calibrating again is most of the time planning a small model takes, and a profile timed afresh may
     rank the nodes to cache otherwise."""
     cut_at = granularity_of(granularity)
     spec = device_spec(device) if device is not None else None
@@ -349,11 +349,9 @@ def pose(captured: CapturedGraph, *, loss_fn: Callable | None = None, optimizer=
     if measured.sparse_grad_bytes:  # what a sparse gradient holds is known only once it is made
         profile = dataclasses.replace(profile, param_grad_bytes={**profile.param_grad_bytes,
                                                                  **measured.sparse_grad_bytes})
-    held_grad_bytes = sum(profile.param_grad_bytes.values()) if grads_held else 0
-    if grads_held:  # held from the start: fixed, and no stage's backward makes them
-        profile = dataclasses.replace(profile, param_grad_bytes={})
+    held_grad_bytes = sum(profile.param_grad_bytes.values()) if grads_held else 0  # fixed: held from the start
     problem = build_problem(profile, stages, random_nodes=random_nodes, always_kept=states, masks=masks,
-                            pass_through=pass_through,
+                            pass_through=pass_through, gradients_held=grads_held,
                             extra_fixed_bytes=training_state_bytes(captured.graph_module, optimizer, ddp)
                             + held_grad_bytes,
                             name=type(captured.graph_module).__name__, hold_outputs=hold_outputs)
@@ -946,15 +944,19 @@ def _plan_captured(model, captured: CapturedGraph, budget, *, loss_fn, optimizer
     device_type = captured_device_type(captured)
     parsed = device_budget(budget, spec, device_type)
     margin = allocator_margin_for(allocator_margin, spec, device_type)
-    posed = posed or _pose_within_memory(captured, spec, loss_fn=loss_fn, optimizer=optimizer, ddp=ddp,
-                                         max_stages=max_stages, profile_repeats=profile_repeats,
-                                         hold_outputs=hold_outputs, granularity=granularity_of(granularity),
-                                         compiled=compile is not None, grads_held=bool(grads_held))
+    pose_options = dict(loss_fn=loss_fn, optimizer=optimizer, ddp=ddp, max_stages=max_stages,
+                        profile_repeats=profile_repeats, hold_outputs=hold_outputs,
+                        granularity=granularity_of(granularity), compiled=compile is not None)
+    posed_here = posed is None
+    posed = posed or _pose_within_memory(captured, spec, **pose_options, grads_held=bool(grads_held))
     problem = posed.problem
     calls, input_bytes = max(1, calls_per_step or 1), _input_bytes(captured)
-    stage_grads = _held_stage_gradient_bytes(posed) if grads_held else None
+    last_call = None
+    if grads_held and calls > 1:
+        last_call = _keeping_gradients(posed, _pose_within_memory(captured, spec, **pose_options, grads_held=False)
+                                       if posed_here else None)
     eager = solvers.peak_with_calls(problem, Schedule.store_all(problem.num_stages), calls, input_bytes=input_bytes,
-                                    stage_gradient_bytes=stage_grads)
+                                    last_call=last_call)
     budget_bytes = parsed.resolve(eager)
     _check_fits(parsed, budget_bytes, spec)
     known = block_checkpoints(posed.block_ranges) if posed.block_ranges is not None else ()
@@ -966,7 +968,7 @@ def _plan_captured(model, captured: CapturedGraph, budget, *, loss_fn, optimizer
 
     def solve(target: int) -> Plan:  # with the other calls of a step held while one steps (see solve_for_calls)
         return solvers.solve_for_calls(problem, target, calls, solve_once, input_bytes=input_bytes,
-                                       stage_gradient_bytes=stage_grads)
+                                       last_call=last_call)
 
     compiled_module, compiled_extra = None, ()
     try:
@@ -975,7 +977,7 @@ def _plan_captured(model, captured: CapturedGraph, budget, *, loss_fn, optimizer
                                 compile_options=compile, loss_fn=loss_fn, hold_outputs=hold_outputs,
                                 grads_held=bool(grads_held), others_held=lambda plan: solvers.peak_with_calls(
                                     problem, plan.schedule, calls, input_bytes=input_bytes,
-                                    stage_gradient_bytes=stage_grads) - simulate(problem, plan.schedule).peak_bytes)
+                                    last_call=last_call) - simulate(problem, plan.schedule).peak_bytes)
             result, compiled_module = fit.kept.plan, fit.kept.payload
             compiled_extra = (("compiled_peak_bytes", fit.kept.peak_bytes),
                               ("compiled_plans_measured", len(fit.tried)),
@@ -998,16 +1000,25 @@ def _plan_captured(model, captured: CapturedGraph, budget, *, loss_fn, optimizer
     return Planned(captured, problem, result, compiled_module)
 
 
-def _held_stage_gradient_bytes(posed: Posed) -> list[int] | None:
-    """For a problem posed with gradients held (which makes none of its own): per stage, the gradients its backward
-    makes (sparse ones at their measured size), as a call before the step's backward makes them into autograd's
-    buffers (see :func:`~planner.solvers.peak_with_calls`); None without the profile."""
-    if posed.profile is None:
-        return None
-    profile = dataclasses.replace(posed.profile, param_grad_bytes={**posed.profile.param_grad_bytes,
-                                                                   **posed.measured.sparse_grad_bytes})
-    stage_of = {node: k for k, nodes in enumerate(posed.stage_nodes) for node in nodes}
-    return stage_gradient_bytes(profile, stage_of, len(posed.stage_nodes))
+def _keeping_gradients(held: Posed, keeping: Posed | None) -> Problem:
+    """For a step posed with the gradients held from before it (``held``, whose backward sums what it makes into
+    them), the same step with a backward that keeps the gradients it makes, the held ones among its fixed bytes:
+    the last of several calls a step keeps its gradients so, in autograd's buffers (``last_call`` of
+    :func:`~planner.solvers.peak_with_calls`). From ``keeping``, the step posed without held gradients (its eager
+    step measured: the gradients made stay where a held step frees each once summed); without it (a part, posed
+    apart), ``held``'s own problem with each stage making its gradients (sparse ones at their measured size),
+    which also counts each of them in the workspace where it was measured while summed in (up to the stage's
+    largest, over)."""
+    if keeping is not None and keeping.stage_nodes == held.stage_nodes:
+        return dataclasses.replace(keeping.problem, fixed_bytes=held.problem.fixed_bytes)
+    grads = [0] * held.problem.num_stages
+    if held.profile is not None:
+        profile = dataclasses.replace(held.profile, param_grad_bytes={**held.profile.param_grad_bytes,
+                                                                      **held.measured.sparse_grad_bytes})
+        stage_of = {node: k for k, nodes in enumerate(held.stage_nodes) for node in nodes}
+        grads = stage_gradient_bytes(profile, stage_of, len(held.stage_nodes))
+    return dataclasses.replace(held.problem, stages=tuple(dataclasses.replace(s, grad_bytes=g)
+                                                          for s, g in zip(held.problem.stages, grads)))
 
 
 def _input_bytes(captured: CapturedGraph) -> int:

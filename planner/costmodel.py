@@ -459,7 +459,7 @@ def created_tensors(profile: GraphProfile) -> dict[str, tuple[tuple[str | None, 
 def build_problem(profile: GraphProfile, stages: Sequence[StageSpec], *, random_nodes: set[str],
                   extra_fixed_bytes: int = 0, name: str = "", hold_outputs: bool = True,
                   always_kept: AbstractSet[str] = frozenset(), masks: AbstractSet[str] = frozenset(),
-                  pass_through: AbstractSet[str] = frozenset()) -> Problem:
+                  pass_through: AbstractSet[str] = frozenset(), gradients_held: bool = False) -> Problem:
     """Tensors, stages and options of ``profile`` cut into ``stages``; workspaces are zero until calibrated.
     ``random_nodes`` are never cached; ``always_kept`` are cached by every option that caches anything; ``masks``
     (dropout masks) make an option of their own (see :func:`recompute_options`); ``pass_through`` nodes hand one
@@ -467,7 +467,9 @@ def build_problem(profile: GraphProfile, stages: Sequence[StageSpec], *, random_
 
     ``hold_outputs``: the caller keeps the model's outputs alive through the backward (see ``measure_stages``).
     Nodes whose backward never runs (cut off by a ``no_grad`` block: ``NodeProfile.in_backward``) save nothing
-    for it, send no gradients back and give their parameters none.
+    for it, send no gradients back and give their parameters none. ``gradients_held``: the step begins with the
+    parameters holding their gradients (gradient accumulation; ``extra_fixed_bytes`` counts them), so no stage's
+    backward makes any that stays (``Stage.grad_bytes`` 0; ``Stage.largest_grad_bytes`` as without).
     """
     stage_of = {node: i for i, spec in enumerate(stages) for node in spec.nodes}
     by_name = {n.name: n for n in profile.nodes}
@@ -496,7 +498,8 @@ def build_problem(profile: GraphProfile, stages: Sequence[StageSpec], *, random_
             made[record.key] = tensors[-1]
             if (reader := last_rerun_reader(tensors[-1])) is not None:
                 released[reader][record.key] = record.nbytes
-    grads = stage_gradient_bytes(profile, stage_of, len(stages))
+    grads = [0] * len(stages) if gradients_held else stage_gradient_bytes(profile, stage_of, len(stages))
+    largest_grads = largest_stage_gradient_bytes(profile, stage_of, len(stages))
     output_grads = _crossing_gradient_bytes(profile, stage_of, readers, pass_through)
     makes_output = _stages_making_outputs(profile, stage_of)
     built = []
@@ -504,7 +507,8 @@ def build_problem(profile: GraphProfile, stages: Sequence[StageSpec], *, random_
         nodes = [by_name[x] for x in spec.nodes]
         options = recompute_options(nodes, random_nodes, always_kept, masks)
         built.append(Stage(spec.name, forward_seconds=sum(n.seconds for n in nodes), backward_seconds=0.0,
-                           grad_bytes=grads[i], output_grad_bytes=output_grads[i],
+                           grad_bytes=grads[i], largest_grad_bytes=largest_grads[i],
+                           output_grad_bytes=output_grads[i],
                            options=options[:1] if i in makes_output else options,
                            early_stop_seconds=early_stop_seconds(nodes),
                            saves_nothing=not any(n.in_backward and (n.saved or n.made_by_last_save is not None)
@@ -518,14 +522,29 @@ def build_problem(profile: GraphProfile, stages: Sequence[StageSpec], *, random_
 def stage_gradient_bytes(profile: GraphProfile, stage_of: dict[str, int], num_stages: int) -> list[int]:
     """Per stage, the bytes of the parameter gradients its backward makes (``profile.param_grad_bytes``): each
     parameter's, at the last stage that reads it (whose backward finishes it)."""
-    grad_stage: dict[str, int] = {}
-    for n in profile.nodes:
-        for param in n.param_reads if n.in_backward else ():
-            grad_stage[param] = max(grad_stage.get(param, -1), stage_of[n.name])
     grads = [0] * num_stages
-    for param, stage in grad_stage.items():
+    for param, stage in _finishing_stages(profile, stage_of).items():
         grads[stage] += profile.param_grad_bytes.get(param, 0)
     return grads
+
+
+def largest_stage_gradient_bytes(profile: GraphProfile, stage_of: dict[str, int], num_stages: int) -> list[int]:
+    """Per stage, the largest of the parameter gradients its backward finishes (see :func:`stage_gradient_bytes`),
+    0 where it finishes none (``Stage.largest_grad_bytes``)."""
+    largest = [0] * num_stages
+    for param, stage in _finishing_stages(profile, stage_of).items():
+        largest[stage] = max(largest[stage], profile.param_grad_bytes.get(param, 0))
+    return largest
+
+
+def _finishing_stages(profile: GraphProfile, stage_of: dict[str, int]) -> dict[str, int]:
+    """Each parameter the backward reaches, and the last stage that reads it (whose backward finishes its
+    gradient)."""
+    finishing: dict[str, int] = {}
+    for n in profile.nodes:
+        for param in n.param_reads if n.in_backward else ():
+            finishing[param] = max(finishing.get(param, -1), stage_of[n.name])
+    return finishing
 
 
 def _crossing_gradient_bytes(profile: GraphProfile, stage_of: dict[str, int], readers: dict[int, set[int]],

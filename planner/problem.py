@@ -173,6 +173,10 @@ class Stage:
     residual add, a reshape). A region of such stages only is no region: non-reentrant checkpoint keeps its inputs
     through what its ops save, so it keeps nothing and re-runs nothing, where this model would hold its inputs
     (:func:`without_empty_regions`).
+    ``largest_grad_bytes``: the largest gradient of one parameter that this stage's backward finishes (counted in
+    ``grad_bytes`` unless the step began with gradients held). Where a call made before others in one step
+    finishes it, autograd sums it out of place with the later calls' one waiting in its buffer, holding both and
+    the sum at once (see ``solvers.buffered_gradients``).
     """
 
     name: str
@@ -193,6 +197,7 @@ class Stage:
     input_savings: tuple["InputSaving", ...] = ()
     saves_nothing: bool = False
     backward_epochs: tuple[BackwardEpoch, ...] = ()
+    largest_grad_bytes: int = 0
 
     @property
     def recompute_options(self) -> tuple[RecomputeOption, ...]:

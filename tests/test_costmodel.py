@@ -204,6 +204,12 @@ def test_calibrated_problem_reproduces_the_measured_eager_step(tower):
     assert graph.peak_bytes < training_step(model, lambda m: loss_fn(m(x)), (x,)).peak_bytes
     assert sum(s.grad_bytes for s in problem.stages) == sum(p.numel() * 4 for p in model.parameters())
     assert all(s.backward_seconds > 0 for s in problem.stages)
+    largest = max(p.numel() * 4 for p in model.parameters())
+    assert max(s.largest_grad_bytes for s in problem.stages) == largest
+    assert all(0 < s.largest_grad_bytes <= s.grad_bytes for s in problem.stages if s.grad_bytes)
+    held = build_problem(profile, stages, random_nodes=set(), gradients_held=True)
+    assert [s.largest_grad_bytes for s in held.stages] == [s.largest_grad_bytes for s in problem.stages]
+    assert not any(s.grad_bytes for s in held.stages)
 
 
 def test_tensors_know_their_readers_and_savers(tower):

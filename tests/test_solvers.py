@@ -1,11 +1,13 @@
 """The solvers' front door (:mod:`planner.solvers`): steps that call the model several times before one backward,
 on hand-built problems checked against every schedule."""
 
+import dataclasses
+
 import pytest
 
 from planner.errors import InfeasibleBudgetError
-from planner.problem import Problem, Schedule, Stage, TensorInfo, held_after_forward_bytes, simulate
-from planner.solvers import minimum_peak, peak_with_calls, solve, solve_for_calls
+from planner.problem import Phase, Problem, Schedule, Stage, TensorInfo, held_after_forward_bytes, simulate
+from planner.solvers import minimum_peak, peak_with_calls, solve, solve_for_calls, summed_into_held
 
 
 def dp(problem, target):
@@ -33,12 +35,36 @@ def test_peak_with_calls_is_the_last_calls_step_or_an_earlier_calls_backward():
     assert peak_with_calls(problem, eager, 2, input_bytes=7) == 300 + 200 + 7
     # gradients of 1000: the last call's with the first's 200 held, and the first call's backward beginning with
     # those 1000 buffered and its own 200, both 1200; three calls: 1000 + 200 + 200 held by the first
-    assert peak_with_calls(problem, eager, 2, stage_gradient_bytes=[1000, 0]) == 1200
-    assert peak_with_calls(problem, eager, 3, stage_gradient_bytes=[1000, 0]) == 1400
+    heavy = dataclasses.replace(problem, stages=(dataclasses.replace(problem.stages[0], grad_bytes=1000),
+                                                 dataclasses.replace(problem.stages[1], grad_bytes=0)))
+    assert peak_with_calls(heavy, eager, 2) == 1200
+    assert peak_with_calls(heavy, eager, 3) == 1400
     uniform = Schedule.uniform(2)  # holds nothing after the forward (the first region's input is no tensor here)
     assert held_after_forward_bytes(problem, uniform) == 0
     assert simulate(problem, uniform).peak_bytes == 300
     assert peak_with_calls(problem, uniform, 2) == 300 + 100  # the first call's re-run beside 300 buffered
+
+
+def test_an_earlier_calls_backward_sums_its_largest_gradient_out_of_place():
+    """Autograd sums the first call's gradient of a parameter with the second call's, waiting in its buffer, out of
+    place: the first call's backward holds the waiting one, its own and the sum at once (measured for a VGG's
+    classifier weight in tests/test_api.py). Two stages saving 100 bytes each, the second making one gradient of
+    1000: without the sum the last call's step is the peak (its 1000 buffered, 100 of its own, the first call's
+    200); with it, the first call's backward of the second stage (1000 waiting, 100 still saved, 2 x 1000).
+    Posed with the gradients held (their 1000 fixed), that backward measures its own gradient in its workspace
+    while adding it into the held one, and the sum is what is added."""
+    stages = (Stage("s0", 1.0, 2.0), Stage("s1", 1.0, 2.0, grad_bytes=1000, largest_grad_bytes=1000))
+    problem = Problem(stages, tuple(TensorInfo(f"a{i}", 100, i, frozenset({i}), frozenset({i})) for i in range(2)))
+    eager = Schedule.store_all(2)
+    unsummed = dataclasses.replace(problem, stages=(stages[0], dataclasses.replace(stages[1], largest_grad_bytes=0)))
+    assert peak_with_calls(unsummed, eager, 2) == 1000 + 100 + 200
+    assert peak_with_calls(problem, eager, 2) == 1000 + 100 + 2 * 1000
+    held = dataclasses.replace(problem, stages=(stages[0], dataclasses.replace(stages[1], grad_bytes=0)),
+                               fixed_bytes=1000)
+    keeping = dataclasses.replace(problem, fixed_bytes=1000)
+    assert peak_with_calls(held, eager, 2, last_call=keeping) == 1000 + 1000 + 100 + 1000
+    summed = simulate(summed_into_held(held, [0, 1000]), eager)
+    assert [e.total_bytes for e in summed.events if e.phase is Phase.BACKWARD] == [3100, 1000]  # s1's freed
 
 
 @pytest.mark.parametrize("make, least_best", [(random_chain, 22), (random_dag, 14)])

@@ -32,7 +32,7 @@ from typing import Callable, Sequence
 
 from ..errors import InfeasibleBudgetError, PlannerError
 from ..plan import Plan, SolverStatus
-from ..problem import Problem, Region, Schedule, held_after_forward_bytes, simulate, without_empty_regions
+from ..problem import Problem, Region, Schedule, Stage, held_after_forward_bytes, simulate, without_empty_regions
 from .baselines import BASELINES, solve_baseline
 from .dp import GAP_TOLERANCE, lower_bound, minimum_peak, relative_gap, solve_dp
 from .ilp import min_peak_ilp, solve_ilp
@@ -63,18 +63,19 @@ def solve(problem: Problem, budget_bytes: int, method: str = "auto", *, known: S
 
 def solve_for_calls(problem: Problem, budget_bytes: int, calls: int,
                     solve_within: Callable[[Problem, int], Plan], *, input_bytes: int = 0,
-                    stage_gradient_bytes: Sequence[int] | None = None) -> Plan:
+                    last_call: Problem | None = None) -> Plan:
     """A plan for steps that call the model ``calls`` times before one backward (``solve_within(problem, target)``
     plans one call of ``problem`` within ``target`` bytes): each call before the last holds what its forward keeps
     for its backward (:func:`~planner.problem.held_after_forward_bytes`) and its ``input_bytes`` while the last
     one steps, so a plan needs its own peak plus that much per other call. Autograd runs the last call's backward
-    first, and the gradients it makes (``stage_gradient_bytes``, see :func:`peak_with_calls`) wait in its buffers,
+    first, and the gradients it makes (see :func:`peak_with_calls`, and its ``last_call``) wait in its buffers,
     to be summed with the earlier calls', while those run their backwards (:func:`buffered_gradients`): a plan
     needs that peak too, with the calls before held (where the gradients outweigh what a call holds, as for a
     large model on small batches, this is the peak). The solver is run for targets across the range of peaks
     (:func:`_scanned`) on the problem as it is, on one whose tensors weigh ``calls`` times their bytes (so that it
-    prefers plans that hold less) and on :func:`buffered_gradients`'s; eager's schedule and those that hold least
-    (every stage a region, all stages one region) are tried too, and of the plans that fit with the other calls
+    prefers plans that hold less) and on an earlier call's (:func:`buffered_gradients`, or with ``last_call``
+    :func:`summed_into_held`); eager's schedule and those that hold least (every stage a region, all stages one
+    region) are tried too, and of the plans that fit with the other calls
     the one that recomputes least is kept. Its ``predicted_peak_bytes`` and ``eager_peak_bytes`` count the other
     calls; it is not proven optimal for them (no gap). Raises :class:`~planner.errors.InfeasibleBudgetError`
     naming the least peak of the plans tried when none fits.
@@ -97,15 +98,15 @@ def solve_for_calls(problem: Problem, budget_bytes: int, calls: int,
     if calls <= 1:
         return solve_within(problem, budget_bytes)
 
-    grads = [s.grad_bytes for s in problem.stages] if stage_gradient_bytes is None else list(stage_gradient_bytes)
-    buffered = buffered_gradients(problem, sum(grads))
+    grads = [s.grad_bytes for s in (problem if last_call is None else last_call).stages]
+    buffered = buffered_gradients(problem, sum(grads)) if last_call is None else summed_into_held(problem, grads)
 
     def evaluated(plan: Plan, searched: Problem) -> Plan:  # priced on the problem, beside the other calls
         if searched is not problem:
             plan = Plan.from_schedule(problem, plan.schedule, solver=plan.solver, status=SolverStatus.FEASIBLE,
                                       solve_seconds=plan.solve_seconds)
         return dataclasses.replace(plan, predicted_peak_bytes=peak_with_calls(
-            problem, plan.schedule, calls, input_bytes=input_bytes, stage_gradient_bytes=grads))
+            problem, plan.schedule, calls, input_bytes=input_bytes, last_call=last_call))
     n = problem.num_stages
     tried = [evaluated(Plan.from_schedule(problem, schedule, solver="calls", status=SolverStatus.FEASIBLE), problem)
              for schedule in (Schedule.store_all(n), Schedule.uniform(n), Schedule((Region(0, n),)))]
@@ -126,12 +127,16 @@ def solve_for_calls(problem: Problem, budget_bytes: int, calls: int,
 
 
 def peak_with_calls(problem: Problem, schedule: Schedule, calls: int, *, input_bytes: int = 0,
-                    stage_gradient_bytes: Sequence[int] | None = None) -> int:
+                    last_call: Problem | None = None) -> int:
     """The peak of a step that runs ``schedule`` for ``calls`` calls of the model before one backward (see
     :func:`solve_for_calls`): the last call's step with the others' held tensors and inputs, its gradients waiting
-    in autograd's buffers as its stages make them (``stage_gradient_bytes`` per stage: by default the problem's
-    own; a problem for gradients held from before makes none of its own), or an earlier call's backward with all
-    of them waiting (:func:`buffered_gradients`).
+    in autograd's buffers as its stages make them, or an earlier call's backward with all of them waiting
+    (:func:`buffered_gradients`).
+
+    ``last_call``: for a ``problem`` posed with the gradients held from before the step (gradient accumulation:
+    its stages make none that stay), the same step posed with a backward that keeps the gradients it makes and the
+    held ones among its fixed bytes, as the last call's backward keeps them in autograd's buffers; an earlier
+    call's then sums each stage's into the held ones and frees them (:func:`summed_into_held`).
 
     >>> from planner.problem import Problem, Stage, TensorInfo
     >>> stages = tuple(Stage(f"s{i}", 1.0, 2.0, grad_bytes=150) for i in range(2))
@@ -143,31 +148,65 @@ def peak_with_calls(problem: Problem, schedule: Schedule, calls: int, *, input_b
     500
     >>> peak_with_calls(problem, eager, 3)  # and the first call's backward: 300 buffered, its 200, the other 200
     700
+    >>> held = dataclasses.replace(problem, stages=tuple(dataclasses.replace(s, grad_bytes=0) for s in stages),
+    ...                            fixed_bytes=300)  # gradient accumulation: 300 of gradients held from the start
+    >>> peak_with_calls(held, eager, 2, last_call=dataclasses.replace(problem, fixed_bytes=300))
+    800
     """
     if calls <= 1:
         return simulate(problem, schedule).peak_bytes
-    grads = [s.grad_bytes for s in problem.stages] if stage_gradient_bytes is None else list(stage_gradient_bytes)
-    making = problem if stage_gradient_bytes is None else dataclasses.replace(
-        problem, stages=tuple(dataclasses.replace(s, grad_bytes=g) for s, g in zip(problem.stages, grads)))
+    making = problem if last_call is None else last_call
+    grads = [s.grad_bytes for s in making.stages]
+    earlier = buffered_gradients(problem, sum(grads)) if last_call is None else summed_into_held(problem, grads)
     held = held_after_forward_bytes(problem, schedule)
-    last = simulate(making, schedule).peak_bytes + (calls - 1) * held
-    earlier = simulate(buffered_gradients(problem, sum(grads)), schedule).peak_bytes + (calls - 2) * held
-    return max(last, earlier) + (calls - 1) * input_bytes
+    return max(simulate(making, schedule).peak_bytes + (calls - 1) * held,
+               simulate(earlier, schedule).peak_bytes + (calls - 2) * held) + (calls - 1) * input_bytes
 
 
 def buffered_gradients(problem: Problem, gradient_bytes: int) -> Problem:
     """``problem`` for the backward of a call made before others in one step: the ``gradient_bytes`` the later
     calls' backwards made (autograd runs them first) wait in its buffers from the start, fixed, and this call's
-    gradients are summed into them, so none of its stages makes gradients that stay.
+    gradients are summed into them, so none of its stages makes gradients that stay. Autograd sums out of place:
+    while a stage's backward sums its largest parameter's gradient, it holds this call's (which a single call's
+    backward keeps as the gradient, so its measured workspace leaves it out) and the sum beside the waiting one.
 
     >>> from planner.problem import Stage
-    >>> problem = Problem((Stage("s", 1.0, 2.0, grad_bytes=40),), (), fixed_bytes=100)
+    >>> problem = Problem((Stage("s", 1.0, 2.0, grad_bytes=40, largest_grad_bytes=30),), (), fixed_bytes=100)
     >>> buffered = buffered_gradients(problem, 40)
-    >>> buffered.fixed_bytes, buffered.stages[0].grad_bytes
-    (140, 0)
+    >>> buffered.fixed_bytes, buffered.stages[0].grad_bytes, buffered.stages[0].backward_workspace_bytes
+    (140, 0, 60)
     """
     return dataclasses.replace(problem, fixed_bytes=problem.fixed_bytes + gradient_bytes,
-                               stages=tuple(dataclasses.replace(s, grad_bytes=0) for s in problem.stages))
+                               stages=tuple(_with_backward(s, grad_bytes=0, more_bytes=2 * s.largest_grad_bytes)
+                                            for s in problem.stages))
+
+
+def summed_into_held(problem: Problem, stage_gradient_bytes: Sequence[int]) -> Problem:
+    """``problem`` (posed with gradients held from before the step: gradient accumulation) for the backward of a
+    call made before others in one step: the later calls' gradients (``stage_gradient_bytes`` per stage) wait in
+    autograd's buffers from the start, and once this call's backward has passed a stage, that stage's are summed
+    in place into the held gradients and freed (where none is held, the sum becomes the gradient and stays:
+    :func:`buffered_gradients`). A stage's own are counted through its backward, beside its workspace and the
+    out-of-place sum of its largest (this call's own gradient is in the workspace, measured with gradients held:
+    a single call sums each into the held one in place).
+
+    >>> from planner.problem import Stage
+    >>> problem = Problem((Stage("s0", 1.0, 2.0), Stage("s1", 1.0, 2.0, largest_grad_bytes=20)), (), fixed_bytes=100)
+    >>> summed = summed_into_held(problem, [40, 60])
+    >>> summed.fixed_bytes, [s.grad_bytes for s in summed.stages], [s.backward_workspace_bytes for s in summed.stages]
+    (200, [-40, -60], [40, 80])
+    >>> [e.total_bytes for e in simulate(summed, Schedule.store_all(2)).events][2:]  # s1's backward, then s0's
+    [200, 220, 140, 140]
+    """
+    return dataclasses.replace(problem, fixed_bytes=problem.fixed_bytes + sum(stage_gradient_bytes), stages=tuple(
+        _with_backward(s, grad_bytes=-g, more_bytes=g + s.largest_grad_bytes)
+        for s, g in zip(problem.stages, stage_gradient_bytes)))
+
+
+def _with_backward(stage: Stage, *, grad_bytes: int, more_bytes: int) -> Stage:
+    """``stage`` making ``grad_bytes`` of gradients that stay, its backward holding ``more_bytes`` more."""
+    return dataclasses.replace(stage, grad_bytes=grad_bytes,
+                               backward_workspace_bytes=stage.backward_workspace_bytes + more_bytes)
 
 
 def _weighted(problem: Problem, factor: int) -> Problem:
