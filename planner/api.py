@@ -316,8 +316,8 @@ def pose(captured: CapturedGraph, *, loss_fn: Callable | None = None, optimizer=
     ``times_from``: the pose of the same graph with the same options but ``grads_held`` the other way (held
     gradients change the step's memory, not what its ops or recomputation cost): its profile and calibrated times
     are taken (:func:`~planner.costmodel.with_seconds_of`), and only the eager step is measured again, with or
-    without the gradients held. Calibrating again is most of the time planning a small model takes, and a profile timed afresh may
-    rank the nodes to cache otherwise."""
+    without the gradients held. Calibrating again is most of the time planning a small model takes, and a profile
+    timed afresh may rank the nodes to cache otherwise."""
     cut_at = granularity_of(granularity)
     spec = device_spec(device) if device is not None else None
     device_type = captured_device_type(captured)

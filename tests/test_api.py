@@ -278,7 +278,8 @@ class SmallVGG(torch.nn.Module):
 
         def block(cin: int, cout: int) -> torch.nn.Module:
             return torch.nn.Sequential(torch.nn.Conv2d(cin, cout, 3, padding=1), torch.nn.ReLU(),
-                                       torch.nn.Conv2d(cout, cout, 3, padding=1), torch.nn.ReLU(), torch.nn.MaxPool2d(2))
+                                       torch.nn.Conv2d(cout, cout, 3, padding=1), torch.nn.ReLU(),
+                                       torch.nn.MaxPool2d(2))
         self.features = torch.nn.Sequential(block(3, 16), block(16, 32), block(32, 32))
         self.classifier = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(512, 2048), torch.nn.ReLU(),
                                               torch.nn.Linear(2048, 2048), torch.nn.ReLU(), torch.nn.Linear(2048, 10))

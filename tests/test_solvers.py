@@ -52,7 +52,8 @@ def test_an_earlier_calls_backward_sums_its_largest_gradient_out_of_place():
     1000: without the sum the last call's step is the peak (its 1000 buffered, 100 of its own, the first call's
     200); with it, the first call's backward of the second stage (1000 waiting, 100 still saved, 2 x 1000).
     Posed with the gradients held (their 1000 fixed), that backward measures its own gradient in its workspace
-    while adding it into the held one, and the sum is what is added."""
+    while adding it into the held one, and the sum is what is added; the first call's backward then frees each
+    stage's buffered gradients as it adds them into the held ones."""
     stages = (Stage("s0", 1.0, 2.0), Stage("s1", 1.0, 2.0, grad_bytes=1000, largest_grad_bytes=1000))
     problem = Problem(stages, tuple(TensorInfo(f"a{i}", 100, i, frozenset({i}), frozenset({i})) for i in range(2)))
     eager = Schedule.store_all(2)
@@ -63,6 +64,8 @@ def test_an_earlier_calls_backward_sums_its_largest_gradient_out_of_place():
                                fixed_bytes=1000)
     keeping = dataclasses.replace(problem, fixed_bytes=1000)
     assert peak_with_calls(held, eager, 2, last_call=keeping) == 1000 + 1000 + 100 + 1000
+    # three calls: the second's backward sums into the buffers (the first's 200 held), the first's into the held
+    assert peak_with_calls(held, eager, 3, last_call=keeping) == 1000 + 1000 + 100 + 1000 + 200
     summed = simulate(summed_into_held(held, [0, 1000]), eager)
     assert [e.total_bytes for e in summed.events if e.phase is Phase.BACKWARD] == [3100, 1000]  # s1's freed
 

@@ -135,8 +135,9 @@ def peak_with_calls(problem: Problem, schedule: Schedule, calls: int, *, input_b
 
     ``last_call``: for a ``problem`` posed with the gradients held from before the step (gradient accumulation:
     its stages make none that stay), the same step posed with a backward that keeps the gradients it makes and the
-    held ones among its fixed bytes, as the last call's backward keeps them in autograd's buffers; an earlier
-    call's then sums each stage's into the held ones and frees them (:func:`summed_into_held`).
+    held ones among its fixed bytes, as the last call's backward keeps them in autograd's buffers; the first
+    call's then sums each stage's into the held ones and frees them (:func:`summed_into_held`), and those between
+    sum into the buffers.
 
     >>> from planner.problem import Problem, Stage, TensorInfo
     >>> stages = tuple(Stage(f"s{i}", 1.0, 2.0, grad_bytes=150) for i in range(2))
@@ -157,18 +158,25 @@ def peak_with_calls(problem: Problem, schedule: Schedule, calls: int, *, input_b
         return simulate(problem, schedule).peak_bytes
     making = problem if last_call is None else last_call
     grads = [s.grad_bytes for s in making.stages]
-    earlier = buffered_gradients(problem, sum(grads)) if last_call is None else summed_into_held(problem, grads)
     held = held_after_forward_bytes(problem, schedule)
-    return max(simulate(making, schedule).peak_bytes + (calls - 1) * held,
-               simulate(earlier, schedule).peak_bytes + (calls - 2) * held) + (calls - 1) * input_bytes
+    peaks = [simulate(making, schedule).peak_bytes + (calls - 1) * held]  # the last call's, the others holding
+    if last_call is None or calls > 2:  # a call between the first and the last: its sums wait for the first's
+        middle = buffered_gradients(problem, sum(grads), gradients_held=last_call is not None)
+        peaks.append(simulate(middle, schedule).peak_bytes + (calls - 2) * held)
+    if last_call is not None:  # the first call's backward, the others' done: its sums go into the held gradients
+        peaks.append(simulate(summed_into_held(problem, grads), schedule).peak_bytes)
+    return max(peaks) + (calls - 1) * input_bytes
 
 
-def buffered_gradients(problem: Problem, gradient_bytes: int) -> Problem:
+def buffered_gradients(problem: Problem, gradient_bytes: int, *, gradients_held: bool = False) -> Problem:
     """``problem`` for the backward of a call made before others in one step: the ``gradient_bytes`` the later
     calls' backwards made (autograd runs them first) wait in its buffers from the start, fixed, and this call's
     gradients are summed into them, so none of its stages makes gradients that stay. Autograd sums out of place:
     while a stage's backward sums its largest parameter's gradient, it holds this call's (which a single call's
     backward keeps as the gradient, so its measured workspace leaves it out) and the sum beside the waiting one.
+    ``gradients_held``: ``problem`` was posed with the gradients held from before the step, and its measured
+    workspace holds each gradient made while it was summed into the held one: only the sum is more (for the calls
+    between the first and the last, whose sums wait in the buffers for the first's: :func:`summed_into_held`).
 
     >>> from planner.problem import Stage
     >>> problem = Problem((Stage("s", 1.0, 2.0, grad_bytes=40, largest_grad_bytes=30),), (), fixed_bytes=100)
@@ -177,13 +185,13 @@ def buffered_gradients(problem: Problem, gradient_bytes: int) -> Problem:
     (140, 0, 60)
     """
     return dataclasses.replace(problem, fixed_bytes=problem.fixed_bytes + gradient_bytes,
-                               stages=tuple(_with_backward(s, grad_bytes=0, more_bytes=2 * s.largest_grad_bytes)
-                                            for s in problem.stages))
+                               stages=tuple(_with_backward(s, grad_bytes=0, more_bytes=(1 if gradients_held else 2)
+                                                           * s.largest_grad_bytes) for s in problem.stages))
 
 
 def summed_into_held(problem: Problem, stage_gradient_bytes: Sequence[int]) -> Problem:
-    """``problem`` (posed with gradients held from before the step: gradient accumulation) for the backward of a
-    call made before others in one step: the later calls' gradients (``stage_gradient_bytes`` per stage) wait in
+    """``problem`` (posed with gradients held from before the step: gradient accumulation) for the backward of the
+    first call of several in one step: the later calls' gradients (``stage_gradient_bytes`` per stage) wait in
     autograd's buffers from the start, and once this call's backward has passed a stage, that stage's are summed
     in place into the held gradients and freed (where none is held, the sum becomes the gradient and stays:
     :func:`buffered_gradients`). A stage's own are counted through its backward, beside its workspace and the
