@@ -35,8 +35,9 @@ from .attention import without_unmasking_mask
 from .budget import Budget, format_bytes, parse_budget
 from .compiled import CompiledFit, fit_plans
 from .capture import (CapturedGraph, RecaptureWarning, autocast_state, capture, casts_uncached, changed_values,
-                      hooks_signature, input_signature, is_layout_copy, mutated_nodes, no_larger_than,
-                      numbers_signature, outside_autocast, placed_stage_nodes, plan_key, trained_signature)
+                      hooks_signature, input_signature, is_layout_copy, modules_signature, mutated_nodes,
+                      no_larger_than, numbers_signature, outside_autocast, placed_stage_nodes, plan_key,
+                      replaced_modules, trained_signature)
 from .devices import DeviceSpec, device_spec, spec_for_gpu
 from .meta import device_type_of, meta_copy, target_kernels, tensors_of
 from .timing import AnalyticStopwatch, Estimate, stopwatch_for
@@ -1274,6 +1275,7 @@ class OptimizedModule(torch.nn.Module):
         self._calls_seen = 1  # the most calls seen before one backward (see _calls_per_step)
         self._reused_calls: dict[tuple, int] = {}  # calls run under each reused plan (see _planning_pays)
         self._modules_listed: tuple[torch.nn.Module, ...] | None = None  # the model's modules, for hooks_signature
+        self._modules_held: tuple = ()  # their children when listed (modules_signature): a change lists them anew
         self._parameters_listed: tuple[torch.nn.Parameter, ...] | None = None  # its parameters, for grads_held
         self._last: Planned | None = None
         self._parts: dict[str, OptimizedModule] | None = None  # set when the model captures only in parts
@@ -1394,9 +1396,10 @@ class OptimizedModule(torch.nn.Module):
         started = time.perf_counter()
         if self._plan_for(args, kwargs) or last is None:
             return
-        changed = changed_values(numbers_signature(self.model, self._listed_modules()), last.captured.numbers,
-                                 input_signature(args, kwargs), last.captured.input_signature, self.model, args,
-                                 kwargs)
+        modules = self._listed_modules()
+        changed = replaced_modules(self.model, self._modules_held, last.captured.modules) + changed_values(
+            numbers_signature(self.model, modules), last.captured.numbers, input_signature(args, kwargs),
+            last.captured.input_signature, self.model, args, kwargs)
         if changed:
             self._note_recapture(changed, time.perf_counter() - started)
 
@@ -1554,8 +1557,9 @@ class OptimizedModule(torch.nn.Module):
 
     def _key(self, args: tuple, kwargs: dict, sharded: tuple | None) -> tuple:
         modules = self._listed_modules()
-        key = plan_key(input_signature(args, kwargs), autocast_state(), sharded, self._hooks_now(),
-                       numbers_signature(self.model, modules), trained_signature(self.model, modules))
+        key = plan_key(input_signature(args, kwargs), autocast_state(), sharded, hooks_signature(self.model, modules),
+                       numbers_signature(self.model, modules), trained_signature(self.model, modules),
+                       self._modules_held)
         if sharded is not None:
             return key
         return _with_step(key, self._grads_held_now(), self._calls_per_step())
@@ -1597,8 +1601,12 @@ class OptimizedModule(torch.nn.Module):
         return any(p.grad is not None and p.requires_grad for p in self._parameters_listed)
 
     def _listed_modules(self) -> tuple[torch.nn.Module, ...]:
-        if self._modules_listed is None:
+        """The model's modules, listed again (and its parameters) when one of them holds another child than when
+        they were listed: a module replaced after planning (see :func:`~planner.capture.modules_signature`)."""
+        if self._modules_listed is None or modules_signature(self.model, self._modules_listed) != self._modules_held:
             self._modules_listed = tuple(self.model.modules())
+            self._modules_held = modules_signature(self.model, self._modules_listed)
+            self._parameters_listed = None
         return self._modules_listed
 
     def _hooks_now(self) -> tuple:
@@ -1690,7 +1698,7 @@ class OptimizedModule(torch.nn.Module):
         """Pickled (``torch.save`` of the module, ``copy.deepcopy``) without its planned graphs, which hold code
         made at run time: the copy plans again on its first training call."""
         return {**super().__getstate__(), "_planned": collections.OrderedDict(), "_reused_calls": {},
-                "_recaptures": [], "_open_calls": [], "_modules_listed": None,
+                "_recaptures": [], "_open_calls": [], "_modules_listed": None, "_modules_held": (),
                 "_last": None}
 
     def __getattr__(self, name: str):
