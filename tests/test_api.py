@@ -2,6 +2,7 @@ import copy
 import dataclasses
 import io
 import json
+import warnings
 
 import numpy as np
 import pytest
@@ -203,6 +204,36 @@ def test_modules_replaced_after_planning_capture_again():
     assert len(opt.plan.stage_names) < len(first.plan.stage_names)
     assert not any(name.startswith("layers.3") for name, _ in opt.planned.captured.graph_module.named_parameters())
     assert [names for names, _ in opt._recaptures] == [("layers.1.1",)]  # captured again, not planned: counted
+
+
+def test_a_gradient_penalty_trains_as_eager_and_warns_that_the_budget_does_not_cover_it(model):
+    """A gradient penalty (WGAN-GP) differentiates the model's input gradient again: the first backward, with
+    ``create_graph=True``, builds a graph that the second runs. The plan's gradients are eager's, and, as the plan
+    counts one backward a step, a DoubleBackwardWarning says the budget does not cover such a step; a step of one
+    backward does not warn."""
+    reference = copy.deepcopy(model)
+    opt = planner.optimize(model, "70%", example_inputs=(X,), loss_fn=_loss, profile_repeats=1)
+
+    def penalised(m):
+        x = X.clone().requires_grad_(True)
+        out = m(x)
+        grad, = torch.autograd.grad(out.sum(), x, create_graph=True)
+        loss = _loss(out) + ((grad.norm(dim=1) - 1) ** 2).mean()
+        loss.backward()
+        return loss.detach(), x.grad
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _loss(opt(X.clone().requires_grad_(True))).backward()
+    model.zero_grad(set_to_none=True)
+    with pytest.warns(planner.api.DoubleBackwardWarning, match="create_graph=True.*does not cover it"):
+        planned = penalised(opt)
+    eager = penalised(reference)
+    assert torch.equal(planned[0], eager[0])
+    for p, q in zip(model.parameters(), reference.parameters()):
+        assert torch.equal(p.grad, q.grad)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once
+        penalised(opt)
 
 
 def test_a_batchnorm_frozen_after_planning_trains_frozen():
