@@ -35,9 +35,9 @@ from .attention import without_unmasking_mask
 from .budget import Budget, format_bytes, parse_budget
 from .compiled import CompiledFit, fit_plans
 from .capture import (CapturedGraph, RecaptureWarning, autocast_state, capture, casts_uncached, changed_values,
-                      hooks_signature, input_signature, is_layout_copy, modules_signature, mutated_nodes,
-                      no_larger_than, numbers_signature, outside_autocast, placed_stage_nodes, plan_key,
-                      replaced_modules, trained_signature)
+                      detached_inputs, hooks_signature, input_signature, is_layout_copy, modules_signature,
+                      mutated_nodes, no_larger_than, numbers_signature, outside_autocast, placed_stage_nodes,
+                      plan_key, replaced_modules, trained_signature)
 from .devices import DeviceSpec, device_spec, spec_for_gpu
 from .meta import device_type_of, meta_copy, target_kernels, tensors_of
 from .timing import AnalyticStopwatch, Estimate, stopwatch_for
@@ -186,7 +186,9 @@ def capture_for(model: torch.nn.Module, args: tuple, kwargs: dict | None,
                 device: str | DeviceSpec | None) -> CapturedGraph:
     """:func:`~planner.capture.capture` for a plan made for ``device``: dropout is spelled out so that a
     recomputation can keep its masks only when the plan is for where the tensors are (no analytic ``device``);
-    a GPU's fused dropout draws differently (see :mod:`planner.dropout`)."""
+    a GPU's fused dropout draws differently (see :mod:`planner.dropout`). The inputs are captured detached
+    (:func:`~planner.capture.detached_inputs`): planning's steps run their backward through them."""
+    args, kwargs = detached_inputs(args, kwargs or {})
     return capture(model, args, kwargs, replay_dropout=device is None)
 
 
@@ -1272,7 +1274,7 @@ class OptimizedModule(torch.nn.Module):
         self._planned: collections.OrderedDict[tuple, tuple[Planned, torch.nn.Module]] = collections.OrderedDict()
         self._recaptures: list[tuple[tuple[str, ...], float]] = []  # see _note_recapture
         self._open_calls: list[weakref.ref] = []  # training calls whose backward has not begun (see _watch)
-        self._calls_seen = 1  # the most calls seen before one backward (see _calls_per_step)
+        self._calls_seen: dict[tuple, int] = {}  # by key, the most calls seen before one backward, where above 1
         self._double_backward_warned = False  # see _note_double_backward
         self._reused_calls: dict[tuple, int] = {}  # calls run under each reused plan (see _planning_pays)
         self._modules_listed: tuple[torch.nn.Module, ...] | None = None  # the model's modules, for hooks_signature
@@ -1346,6 +1348,7 @@ class OptimizedModule(torch.nn.Module):
 
     def _plan_now(self, args: tuple, kwargs: dict, replacing: Planned | None) -> bool:
         started = time.perf_counter()
+        args, kwargs = detached_inputs(args, kwargs)  # planning's steps run their backward through them
         device_type_of(self.model, (args, kwargs))  # one device, or say how to get there
         sharding = fsdp.sharding_of(self.model, self)
         if sharding is not None:
@@ -1358,7 +1361,7 @@ class OptimizedModule(torch.nn.Module):
             self._parts = self._plan_parts(args, kwargs, error)
             self._parts_hooks = self._hooks_now()
             return True
-        held, calls = self._grads_held_now(), self._calls_per_step()
+        held, calls = self._grads_held_now(), self._calls_per_step(captured.key)
         same = self._same_graph_planned(captured, held, calls) if replacing is None else None
         if same is not None:  # numbers changed that the graph does not read: the same plan, under this key too
             key = _with_step(captured.key, held, calls)
@@ -1557,34 +1560,49 @@ class OptimizedModule(torch.nn.Module):
         return fitting
 
     def _key(self, args: tuple, kwargs: dict, sharded: tuple | None) -> tuple:
+        return self._keys(args, kwargs, sharded)[1]
+
+    def _keys(self, args: tuple, kwargs: dict, sharded: tuple | None) -> tuple[tuple, tuple]:
+        """The key of the plan for these inputs without the step's part (:func:`_with_step`), and with it."""
         modules = self._listed_modules()
         key = plan_key(input_signature(args, kwargs), autocast_state(), sharded, hooks_signature(self.model, modules),
                        numbers_signature(self.model, modules), trained_signature(self.model, modules),
                        self._modules_held)
         if sharded is not None:
-            return key
-        return _with_step(key, self._grads_held_now(), self._calls_per_step())
+            return key, key
+        return key, _with_step(key, self._grads_held_now(), self._calls_per_step(key))
 
-    def _calls_per_step(self) -> int:
-        """How many calls of the model a step makes before its backward: ``calls_per_step``, or by default the
-        most seen so far (this call and those whose backward has not begun: :meth:`_watch`). A step that calls it
-        once after others called it twice keeps the plan for two (it fits, recomputing more than it needs).
-        Traced by ``torch.compile(optimized)``, it learns nothing (pass the number)."""
+    def _calls_per_step(self, key: tuple) -> int:
+        """How many calls of the model a step makes before its backward, for a call under ``key`` (the plan's,
+        without the step's): ``calls_per_step``, or by default the most seen so far in a step with such a call
+        (this call and those whose backward has not begun: :meth:`_watch`; each of those learns the number too).
+        A call with other inputs learns its own: a GAN's generator step, calling the discriminator once on a fake
+        batch that requires gradients, runs a plan for one call where its discriminator step calls it twice on
+        batches that do not. A step that calls once, with the inputs of calls made two a step before, keeps the
+        plan for two (it fits, recomputing more than it needs). Traced by ``torch.compile(optimized)``, it learns
+        nothing (pass the number)."""
+        chosen = self._options.get("calls_per_step") or 1
         if torch.compiler.is_compiling():
-            return max(self._options.get("calls_per_step") or 1, self._calls_seen)
+            return max(chosen, self._calls_seen.get(key, 1))
         self._open_calls = [ref for ref in self._open_calls if (call := ref()) is not None and not call.done]
-        self._calls_seen = max(self._calls_seen, len(self._open_calls) + 1)
-        return max(self._options.get("calls_per_step") or 1, self._calls_seen)
+        calls = len(self._open_calls) + 1
+        if calls > 1:
+            for seen in {key, *(call.key for ref in self._open_calls if (call := ref()) is not None)}:
+                self._calls_seen[seen] = max(self._calls_seen.pop(seen, 1), calls)  # the most recent last
+            while len(self._calls_seen) > REUSED_PLANS_KEPT:  # keys that change every step do not pile up
+                del self._calls_seen[next(iter(self._calls_seen))]
+        return max(chosen, self._calls_seen.get(key, 1))
 
-    def _watch(self, outputs: Any) -> None:
-        """Note a training call until its backward begins (a gradient reaches one of its ``outputs``) or its graph
-        is freed without one: another call meanwhile runs while this one's saved tensors are held."""
+    def _watch(self, outputs: Any, key: tuple) -> None:
+        """Note a training call under ``key`` (see :meth:`_calls_per_step`) until its backward begins (a gradient
+        reaches one of its ``outputs``) or its graph is freed without one: another call meanwhile runs while this
+        one's saved tensors are held."""
         if torch.compiler.is_compiling():
             return
         tensors = [x for x in tree_flatten(outputs)[0] if isinstance(x, torch.Tensor) and x.requires_grad]
         if not tensors:
             return
-        call = _OpenCall()  # held by the hook alone, which the graph holds: it dies with the graph
+        call = _OpenCall(key)  # held by the hook alone, which the graph holds: it dies with the graph
         owner = weakref.ref(self)
 
         def begun(grads: Sequence[torch.Tensor | None]) -> None:
@@ -1658,7 +1676,7 @@ class OptimizedModule(torch.nn.Module):
                 return run_model(*args, **kwargs)
         planned_kwargs = without_unmasking_mask(self.model, kwargs)
         sharded = fsdp.units_signature(self.model, self)
-        key = self._key(args, planned_kwargs, sharded)
+        base_key, key = self._keys(args, planned_kwargs, sharded)
         if key not in self._planned:
             self._plan_new(args, planned_kwargs)
             if self._parts is not None:  # it captures only in parts now (a backward hook registered since)
@@ -1677,7 +1695,7 @@ class OptimizedModule(torch.nn.Module):
             outputs = torch.func.functional_call(module, swapped, args, kwargs, strict=False)
         else:
             outputs = module(*args, **kwargs)
-        self._watch(outputs)
+        self._watch(outputs, base_key)
         return outputs
 
     def _forget_plans(self) -> None:
@@ -1716,7 +1734,8 @@ class OptimizedModule(torch.nn.Module):
         """Pickled (``torch.save`` of the module, ``copy.deepcopy``) without its planned graphs, which hold code
         made at run time: the copy plans again on its first training call."""
         return {**super().__getstate__(), "_planned": collections.OrderedDict(), "_reused_calls": {},
-                "_recaptures": [], "_open_calls": [], "_modules_listed": None, "_modules_held": (),
+                "_recaptures": [], "_open_calls": [], "_calls_seen": {}, "_modules_listed": None,
+                "_modules_held": (),
                 "_last": None}
 
     def __getattr__(self, name: str):
@@ -1936,9 +1955,10 @@ class DoubleBackwardWarning(UserWarning):
 class _OpenCall:
     """A training call whose backward has not begun (see ``OptimizedModule._watch``)."""
 
-    __slots__ = ("done", "__weakref__")
+    __slots__ = ("key", "done", "__weakref__")
 
-    def __init__(self):
+    def __init__(self, key: tuple):
+        self.key = key  # the plan's key, without the step's (see OptimizedModule._calls_per_step)
         self.done = False
 
 

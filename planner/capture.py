@@ -775,6 +775,31 @@ def _export_failure_unprinted() -> Iterator[None]:
     sys.stderr.write(written.getvalue())
 
 
+def detached_inputs(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """``args`` and ``kwargs`` with each tensor a leaf of no graph, on the same storage and requiring gradients as
+    it does (one object given twice stays one): planning runs the step's backward through its inputs many times,
+    which must neither add to the caller's ``.grad`` of an input (a 4-block MLP planned on its first call with an
+    input requiring gradients returned 334 times the input's gradient until 2026-12-07) nor reach a graph the
+    input belongs to (a discriminator planned on the generator's output raised "Trying to backward through the
+    graph a second time", after adding to the generator's gradients).
+
+    >>> x = torch.ones(2, requires_grad=True)
+    >>> y = x * 2
+    >>> (a, b), kw = detached_inputs((x, y), {"again": y})
+    >>> a.is_leaf and b.is_leaf and a.requires_grad and b.requires_grad, kw["again"] is b
+    (True, True)
+    >>> b.data_ptr() == y.data_ptr()
+    True
+    """
+    leaves, spec = tree_flatten((args, kwargs))
+    made: dict[int, torch.Tensor] = {}
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor) and id(leaf) not in made:
+            made[id(leaf)] = leaf.detach().requires_grad_(leaf.requires_grad)
+    return tree_unflatten([made.get(id(leaf), leaf) if isinstance(leaf, torch.Tensor) else leaf
+                           for leaf in leaves], spec)
+
+
 def unaliased(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """``args`` and ``kwargs`` with each tensor that is given again (the same object, as in ``model(input_ids=ids,
     labels=ids)``) copied after its first place. ``torch.export`` reads one input for both, so the graph it made

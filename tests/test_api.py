@@ -381,6 +381,63 @@ def test_two_calls_count_the_out_of_place_sum_of_a_large_gradient():
         assert torch.equal(p.grad, q.grad)
 
 
+def test_inputs_that_require_gradients_or_belong_to_a_graph_are_planned_on_detached_copies():
+    """Planning runs the step's backward through its inputs several times. Until 2026-12-07 a model planned on its
+    first call with an input requiring gradients returned 334 times that input's gradient, and a model planned on
+    another module's output (a discriminator on the generator's) raised "Trying to backward through the graph a
+    second time", after adding to that module's gradients. The inputs are now planned on as detached leaves."""
+    torch.manual_seed(0)
+    model, upstream = Blocks(), torch.nn.Linear(32, 32)
+    reference, upstream_reference = copy.deepcopy(model), copy.deepcopy(upstream)
+    opt = planner.optimize(model, "70%", loss_fn=_loss, profile_repeats=1)
+    x, y = X.clone().requires_grad_(True), X.clone().requires_grad_(True)
+    _loss(opt(x)).backward()
+    _loss(reference(y)).backward()
+    assert torch.equal(x.grad, y.grad)
+    _loss(opt(upstream(X))).backward()  # new inputs (requiring gradients, of a graph): planned again
+    _loss(reference(upstream_reference(X))).backward()
+    assert torch.equal(upstream.weight.grad, upstream_reference.weight.grad)
+    for p, q in zip(model.parameters(), reference.parameters()):
+        assert torch.equal(p.grad, q.grad)
+
+
+def test_a_gan_learns_two_calls_for_its_discriminator_step_and_one_for_its_generator_step():
+    """The discriminator's step calls it on a real batch and on a detached fake one before one backward; the
+    generator's calls it once, on a fake batch that requires gradients. The number of calls a step is learned for
+    each such call: the generator's step runs a plan for one call, not the discriminator step's plan for two.
+    Losses and gradients are eager's bit for bit, over steps of both optimizers."""
+    torch.manual_seed(0)
+    generator, discriminator = Blocks(n=2), Blocks(n=4)
+    references = copy.deepcopy(generator), copy.deepcopy(discriminator)
+    opt_d = planner.optimize(discriminator, "60%", example_inputs=(X,), loss_fn=_loss, profile_repeats=1)
+
+    def steps(g, d, models):
+        optimizers = [torch.optim.SGD(m.parameters(), lr=0.01) for m in models]
+        losses = []
+        for step in range(3):
+            torch.manual_seed(step)
+            z, real = torch.randn_like(X), torch.randn_like(X)
+            d_loss = _loss(d(real)) + _loss(d(g(z).detach()) - 1)
+            d_loss.backward()
+            optimizers[1].step()
+            g_loss = _loss(d(g(z)) - 1)
+            for m in models:
+                m.zero_grad(set_to_none=True)
+            g_loss.backward()
+            optimizers[0].step()
+            models[1].zero_grad(set_to_none=True)
+            losses.append((d_loss.detach(), g_loss.detach()))
+        return losses
+    planned = steps(generator, opt_d, (generator, discriminator))
+    eager = steps(*references, references)
+    assert all(torch.equal(a, b) for pair, other in zip(planned, eager) for a, b in zip(pair, other))
+    for p, q in zip(discriminator.parameters(), references[1].parameters()):
+        assert torch.equal(p, q)
+    calls = sorted((planned_.plan.calls_per_step, planned_.captured.example_args[0].requires_grad)
+                   for planned_, _ in opt_d._planned.values())
+    assert calls == [(1, False), (1, True), (2, False)]
+
+
 def _profiling_runs_out_of_memory(monkeypatch, gpu):
     """The profile of anything but meta tensors raises CUDA's out-of-memory error, and the CPU stands for ``gpu``
     (a spec, or None for a GPU the registry does not know)."""
