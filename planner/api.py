@@ -49,8 +49,8 @@ from .errors import InfeasibleBudgetError, PlannerError
 from .plan import Plan, SolverStatus, budget_for_usable, usable_bytes
 from .problem import Problem, RecomputeOption, Region, Schedule, recompute_seconds, region_caches, simulate
 from .meter import device_allocator_peak_bytes, storage_bytes
-from .profile import (GraphProfile, StageMeasurement, annotated, default_loss, held_gradients, measure_stages,
-                      paired_step_seconds, preserved_training_state, profile_graph)
+from .profile import (GraphProfile, StageMeasurement, annotated, default_loss, forget_input_gradients,
+                      held_gradients, measure_stages, paired_step_seconds, preserved_training_state, profile_graph)
 from .parts import (PartialCaptureWarning, ReducedBudget, capturable_parts, parts_planned, record_calls,
                     step_peak_bytes)
 from .rewrite import apply_plan
@@ -365,6 +365,7 @@ def pose(captured: CapturedGraph, *, loss_fn: Callable | None = None, optimizer=
     elif profile_repeats > 0 and not compiled and not isinstance(stopwatch, AnalyticStopwatch):
         # eager checkpointing's costs: the roofline has no hooks, and compiled regions run none of the machinery
         problem = _calibrate_checkpoint_overheads(captured, problem, stage_nodes, loss_fn, profile_repeats)
+    forget_input_gradients(tree_flatten((captured.example_args, captured.example_kwargs))[0])  # the timed steps'
     return Posed(problem, stage_nodes, stopwatch.name, measured, cut_at, block_ranges, compiled, profiled)
 
 

@@ -545,6 +545,7 @@ def measure_stages(captured: CapturedGraph, stage_of: dict[str, int], num_stages
             sparse = sparse_gradient_bytes(gm, flat)
         for p in gm.parameters():
             p.grad = held.get(p)
+        forget_input_gradients(flat)  # each step's inputs come without one, as a batch does
         return storage_bytes([seed]) + (0 if id(loss.untyped_storage()) in held_outputs else storage_bytes([loss]))
 
     on_cuda = any(t.is_cuda for t in list(gm.parameters()) + [x for x in flat if isinstance(x, torch.Tensor)])
@@ -553,6 +554,15 @@ def measure_stages(captured: CapturedGraph, stage_of: dict[str, int], num_stages
             p.grad = grad
         measured = _measure(one_step, num_stages, repeats, stopwatch or WallStopwatch(), on_cuda, resizable, created)
     return dataclasses.replace(measured, sparse_grad_bytes=sparse or {})
+
+
+def forget_input_gradients(inputs: Iterable[Any]) -> None:
+    """Drop the gradients a step left on its tensor ``inputs`` (those requiring them): a caller's batch comes
+    without one each step, where a step that finds one adds into it; and a plan would keep an input's worth on the
+    inputs it was captured with."""
+    for x in inputs:
+        if isinstance(x, torch.Tensor) and x.grad is not None:
+            x.grad = None
 
 
 def held_gradients(parameters: Iterable[torch.nn.Parameter]) -> dict[torch.nn.Parameter, torch.Tensor]:

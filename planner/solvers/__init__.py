@@ -75,10 +75,10 @@ def solve_for_calls(problem: Problem, budget_bytes: int, calls: int,
     (:func:`_scanned`) on the problem as it is, on one whose tensors weigh ``calls`` times their bytes (so that it
     prefers plans that hold less) and on an earlier call's (:func:`buffered_gradients`, or with ``last_call``
     :func:`summed_into_held`); eager's schedule and those that hold least (every stage a region, all stages one
-    region) are tried too, and of the plans that fit with the other calls
-    the one that recomputes least is kept. Its ``predicted_peak_bytes`` and ``eager_peak_bytes`` count the other
-    calls; it is not proven optimal for them (no gap). Raises :class:`~planner.errors.InfeasibleBudgetError`
-    naming the least peak of the plans tried when none fits.
+    region) are tried too, and of the plans that fit with the other calls the one that recomputes least is kept.
+    Its ``predicted_peak_bytes`` and ``eager_peak_bytes`` count the other calls; it is not proven optimal for them
+    (no gap). Raises :class:`~planner.errors.InfeasibleBudgetError` naming the least peak of the plans tried when
+    none fits.
 
     >>> from planner.problem import Problem, Stage, TensorInfo
     >>> stages = tuple(Stage(f"s{i}", 1.0, 2.0) for i in range(4))
