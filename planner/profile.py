@@ -278,11 +278,17 @@ def _param_storages(gm: fx.GraphModule) -> tuple[dict[int, str], dict[str, int]]
 
 @contextmanager
 def preserved_training_state(gm: fx.GraphModule) -> Iterator[None]:
-    """Profiling runs leave no trace: RNG state, buffers (BatchNorm statistics) and ``.grad`` are restored."""
+    """Profiling runs leave no trace: RNG state, buffers (BatchNorm statistics) and ``.grad`` are restored. The
+    parameters run without their gradients meanwhile: a backward adds into a gradient in place, so putting the
+    tensor back did not undo it, and a plan made between the micro-batches of gradient accumulation (Hugging Face
+    GPT-2 under ``Trainer`` with ``gradient_accumulation_steps=2``) changed every accumulated gradient, until
+    2026-12-07."""
     rng = torch.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
     buffers = {name: b.detach().clone() for name, b in gm.named_buffers()}
     grads = {p: p.grad for p in gm.parameters()}
+    for p in grads:
+        p.grad = None
     try:
         yield
     finally:

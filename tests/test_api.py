@@ -795,6 +795,22 @@ def test_gradient_accumulation_plans_the_micro_batches_that_begin_with_gradients
     assert opt.planned is first
 
 
+def test_a_plan_made_between_micro_batches_leaves_the_accumulated_gradients_alone(model):
+    """Half batches run the full batch's plan, until the second, beginning with the first's gradients, is planned
+    (its graph never posed before: profiled and calibrated). Those steps ran backward through the caller's
+    parameters, adding into the gradients being accumulated in place, which putting the tensors back did not undo:
+    until 2026-12-07 every gradient of Hugging Face GPT-2 under ``Trainer`` with ``gradient_accumulation_steps=2``
+    came out wrong. Now they are eager's bit for bit."""
+    reference = copy.deepcopy(model)
+    opt = planner.optimize(model, "75%", example_inputs=(X,), loss_fn=_loss, profile_repeats=1)
+    for half in (X[:128], X[128:]):
+        _loss(opt(half)).backward()
+        _loss(reference(half)).backward()
+    assert opt.plan.grads_held and opt.plan.reused_from is None and len(opt._planned) == 3
+    for p, q in zip(model.parameters(), reference.parameters()):
+        assert torch.equal(p.grad, q.grad)
+
+
 def test_grads_held_can_be_chosen_for_every_call(model):
     opt = planner.optimize(model, "60%", example_inputs=(X,), loss_fn=_loss, profile_repeats=1, grads_held=True)
     assert opt.plan.grads_held and dict(opt.plan.extra)["grads_held"] is True

@@ -5,7 +5,7 @@ import planner.timing
 from planner.capture import capture
 from planner.dropout import draw_buffer_bytes
 from planner.meter import LiveMemoryMeter, storage_bytes
-from planner.profile import default_loss, measure_stages, paired_step_seconds, profile_graph
+from planner.profile import default_loss, measure_stages, paired_step_seconds, preserved_training_state, profile_graph
 from tests.helpers import training_step
 
 
@@ -282,3 +282,14 @@ def test_what_a_backward_makes_before_it_reads_a_saved_tensor_is_measured():
             measured = measure_stages(captured, stage_of, 2, loss_fn=loss_fn, repeats=0, hold_outputs=False)
         assert measured.before_first_unpack == expected, (dtype, measured.before_first_unpack)
         assert measured.loss_bytes == 2 * 4  # the fp32 loss and the gradient the backward starts from
+
+
+def test_steps_run_while_training_state_is_preserved_leave_a_held_gradient_as_it_was():
+    """A backward adds into a gradient in place: inside, the parameters hold none, and theirs are put back."""
+    model = torch.nn.Linear(4, 2)
+    model(torch.ones(3, 4)).sum().backward()
+    grad, before = model.weight.grad, model.weight.grad.clone()
+    with preserved_training_state(model):
+        assert model.weight.grad is None
+        model(torch.randn(3, 4)).sum().backward()
+    assert model.weight.grad is grad and torch.equal(grad, before)
