@@ -349,9 +349,7 @@ def pose(captured: CapturedGraph, *, loss_fn: Callable | None = None, optimizer=
                                   created=created_tensors(profile), grads_held=grads_held)
     except ValueError as exc:
         raise PlannerError(str(exc), hint="pass loss_fn= that turns the model's output into a scalar loss") from exc
-    if measured.sparse_grad_bytes:  # what a sparse gradient holds is known only once it is made
-        profile = dataclasses.replace(profile, param_grad_bytes={**profile.param_grad_bytes,
-                                                                 **measured.sparse_grad_bytes})
+    profile = _sized_gradients(profile, measured)
     held_grad_bytes = sum(profile.param_grad_bytes.values()) if grads_held else 0  # fixed: held from the start
     problem = build_problem(profile, stages, random_nodes=random_nodes, always_kept=states, masks=masks,
                             pass_through=pass_through, gradients_held=grads_held,
@@ -1004,6 +1002,14 @@ def _plan_captured(model, captured: CapturedGraph, budget, *, loss_fn, optimizer
     return Planned(captured, problem, result, compiled_module)
 
 
+def _sized_gradients(profile: GraphProfile, measured: StageMeasurement) -> GraphProfile:
+    """``profile`` with each sparse gradient at the size the eager step ``measured`` made it (what a sparse
+    gradient holds is known only once it is made)."""
+    if not measured.sparse_grad_bytes:
+        return profile
+    return dataclasses.replace(profile, param_grad_bytes={**profile.param_grad_bytes, **measured.sparse_grad_bytes})
+
+
 def _keeping_gradients(held: Posed, keeping: Posed | None) -> Problem:
     """For a step posed with the gradients held from before it (``held``, whose backward sums what it makes into
     them), the same step with a backward that keeps the gradients it makes, the held ones among its fixed bytes:
@@ -1017,10 +1023,8 @@ def _keeping_gradients(held: Posed, keeping: Posed | None) -> Problem:
         return dataclasses.replace(keeping.problem, fixed_bytes=held.problem.fixed_bytes)
     grads = [0] * held.problem.num_stages
     if held.profile is not None:
-        profile = dataclasses.replace(held.profile, param_grad_bytes={**held.profile.param_grad_bytes,
-                                                                      **held.measured.sparse_grad_bytes})
         stage_of = {node: k for k, nodes in enumerate(held.stage_nodes) for node in nodes}
-        grads = stage_gradient_bytes(profile, stage_of, len(held.stage_nodes))
+        grads = stage_gradient_bytes(_sized_gradients(held.profile, held.measured), stage_of, len(held.stage_nodes))
     return dataclasses.replace(held.problem, stages=tuple(dataclasses.replace(s, grad_bytes=g)
                                                           for s, g in zip(held.problem.stages, grads)))
 
