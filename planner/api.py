@@ -46,6 +46,7 @@ from .costmodel import (Granularity, add_checkpoint_overheads, build_problem, ca
                         scale_seconds, stage_gradient_bytes, with_seconds_of)
 from .dropout import is_mask, is_state
 from .errors import InfeasibleBudgetError, PlannerError
+from .optimizers import optimizer_state_bytes
 from .plan import Plan, SolverStatus, budget_for_usable, usable_bytes
 from .problem import Problem, RecomputeOption, Region, Schedule, recompute_seconds, region_caches, simulate
 from .meter import device_allocator_peak_bytes, storage_bytes
@@ -73,36 +74,6 @@ class Planned:
     # what making it took (None: not known, as for a plan loaded from JSON); for a reused plan, what planning anew
     # is expected to take
     planning_seconds: float | None = None
-
-
-def optimizer_state_bytes(optimizer: torch.optim.Optimizer | None) -> int:
-    """Bytes the optimizer keeps per step: its existing state, or what Adam-like (2 per parameter) or momentum
-    SGD (1 per parameter) will allocate on their first step.
-
-    >>> import torch
-    >>> w = torch.nn.Parameter(torch.zeros(10))
-    >>> optimizer_state_bytes(torch.optim.AdamW([w]))
-    80
-    """
-    if optimizer is None:
-        return 0
-    existing = sum(_local(v).untyped_storage().nbytes() for state in optimizer.state.values()
-                   for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
-    if existing:
-        return existing
-    name = type(optimizer).__name__.lower()
-    copies = 2 if "adam" in name or "lamb" in name else 0
-    if name == "sgd":
-        copies = 1 if any(g.get("momentum", 0) for g in optimizer.param_groups) else 0
-    elif name in ("rmsprop", "adagrad", "adadelta"):
-        copies = 1 if name != "adadelta" else 2
-    params = {id(p): p for g in optimizer.param_groups for p in g["params"] if p.requires_grad}
-    return copies * sum(_local(p).numel() * 4 for p in params.values())
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a tensor sharded by FSDP2 (a DTensor), else the tensor."""
-    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
 def ddp_bucket_bytes(module: torch.nn.Module) -> int:
