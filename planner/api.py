@@ -35,7 +35,7 @@ from .attention import without_unmasking_mask
 from .budget import Budget, format_bytes, parse_budget
 from .compiled import CompiledFit, fit_plans
 from .capture import (CapturedGraph, RecaptureWarning, autocast_state, capture, casts_uncached, changed_values,
-                      detached_inputs, hooks_signature, input_signature, is_layout_copy, modules_signature,
+                      detached_inputs, hooks_signature, input_signature, inputs_restored, is_layout_copy, modules_signature,
                       mutated_nodes, no_larger_than, numbers_signature, outside_autocast, placed_stage_nodes,
                       plan_key, replaced_modules, trained_signature)
 from .devices import DeviceSpec, device_spec, spec_for_gpu
@@ -1103,12 +1103,12 @@ def plan(model: torch.nn.Module, budget: int | str | None, example_inputs: Any =
                    device=device, allocator_margin=allocator_margin, ddp=ddp,
                    granularity=granularity_of(granularity), compile=_compile_options(compile, device),
                    grads_held=grads_held, calls_per_step=_calls_option(calls_per_step))
-    example_kwargs = without_unmasking_mask(model, dict(example_kwargs or {}))
-    sharding = fsdp.sharding_of(model)
-    if sharding is not None:
-        return _plan_sharded(model, _as_args(example_inputs), example_kwargs, sharding, budget, options).plan
-    captured = capture_for(model, _as_args(example_inputs), example_kwargs, device)
-    return _plan_captured(model, captured, budget, **options).plan
+    args, example_kwargs = _as_args(example_inputs), without_unmasking_mask(model, dict(example_kwargs or {}))
+    with inputs_restored(args, example_kwargs):
+        sharding = fsdp.sharding_of(model)
+        if sharding is not None:
+            return _plan_sharded(model, args, example_kwargs, sharding, budget, options).plan
+        return _plan_captured(model, capture_for(model, args, example_kwargs, device), budget, **options).plan
 
 
 _POSE_OPTIONS = ("loss_fn", "optimizer", "ddp", "max_stages", "profile_repeats", "hold_outputs", "device",
@@ -1319,7 +1319,7 @@ class OptimizedModule(torch.nn.Module):
         """Plan for these inputs: a plan for larger ones reused, or a new one (``replacing`` a reused plan: for
         the budget it fit, so that the new one recomputes no more). Whether it profiled and solved (not when a
         plan was reused or the graph was one planned before)."""
-        with _own_forward(self.model):
+        with _own_forward(self.model), inputs_restored(args, kwargs):
             return self._plan_now(args, kwargs, replacing)
 
     def _plan_now(self, args: tuple, kwargs: dict, replacing: Planned | None) -> bool:

@@ -800,6 +800,33 @@ def detached_inputs(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
                            for leaf in leaves], spec)
 
 
+@contextlib.contextmanager
+def inputs_restored(args: tuple, kwargs: dict) -> Iterator[None]:
+    """Planning leaves the inputs it ran on as they were: a model that writes an input in place (``x /= 255``,
+    ``ids.masked_fill_(...)``) writes it in every one of planning's steps, so each tensor input whose version
+    counter moved meanwhile is copied back from a snapshot taken before (on the host for a GPU's). Until
+    2026-12-07 a 4-block MLP that halved its input in place, planned on its first call, trained that call on an
+    input halved by every profiling step (all zeros), and a plan made with ``example_inputs`` zeroed them.
+
+    >>> x = torch.ones(3)
+    >>> with inputs_restored((x,), {}):
+    ...     _ = x.mul_(2)
+    >>> x
+    tensor([1., 1., 1.])
+    """
+    tensors = {id(t): t for t in tree_flatten((args, kwargs))[0]
+               if isinstance(t, torch.Tensor) and t.device.type != "meta" and not t.is_inference()}
+    saved = {key: (t._version, t.detach().to("cpu", copy=True)) for key, t in tensors.items()}
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for key, t in tensors.items():
+                version, snapshot = saved[key]
+                if t._version != version:
+                    t.detach().copy_(snapshot)
+
+
 def unaliased(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """``args`` and ``kwargs`` with each tensor that is given again (the same object, as in ``model(input_ids=ids,
     labels=ids)``) copied after its first place. ``torch.export`` reads one input for both, so the graph it made

@@ -403,6 +403,31 @@ def test_inputs_that_require_gradients_or_belong_to_a_graph_are_planned_on_detac
         assert torch.equal(p.grad, q.grad)
 
 
+class HalvesItsInput(Blocks):
+    def forward(self, x):
+        x /= 2  # in place, as `x /= 255` or `ids.masked_fill_(...)` in a model's forward
+        return super().forward(x)
+
+
+def test_planning_leaves_the_inputs_it_ran_on_as_they_were():
+    """A model that writes an input in place writes it in every one of planning's steps. Until 2026-12-07 a model
+    planned on its first call trained that call on an input halved by every profiling step (all zeros), and
+    planning with example inputs zeroed them."""
+    torch.manual_seed(0)
+    model = HalvesItsInput()
+    reference = copy.deepcopy(model)
+    example = X.clone()
+    planner.plan(model, "70%", (example,), loss_fn=_loss, profile_repeats=1)
+    assert torch.equal(example, X)
+    ahead = planner.optimize(model, "70%", example_inputs=(example,), loss_fn=_loss, profile_repeats=1)
+    assert torch.equal(example, X)
+    on_first_call = planner.optimize(copy.deepcopy(model), "70%", loss_fn=_loss, profile_repeats=1)
+    for opt in (ahead, on_first_call):
+        ours, theirs = X.clone(), X.clone()
+        assert _loss(opt(ours)).item() == _loss(reference(theirs)).item()
+        assert torch.equal(ours, theirs) and torch.equal(ours, X / 2)  # the call's own write, once
+        assert opt.plan.regions
+
 def test_a_gan_learns_two_calls_for_its_discriminator_step_and_one_for_its_generator_step():
     """The discriminator's step calls it on a real batch and on a detached fake one before one backward; the
     generator's calls it once, on a fake batch that requires gradients. The number of calls a step is learned for
