@@ -84,6 +84,7 @@ import re
 import sys
 import tempfile
 import time
+import warnings
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Iterable, Sequence
@@ -97,6 +98,20 @@ from ..problem import (Phase, Problem, Region, Schedule, TensorInfo, backward_re
 from .baselines import chen_sqrt, fewest_blocks, infeasible_budget_error, store_all, uniform
 
 Expr = pulp.LpAffineExpression
+
+
+def new_variable(model: pulp.LpProblem, name: str, low: float | None = None, up: float | None = None,
+                 cat: str = "Continuous") -> pulp.LpVariable:
+    """A variable of ``model``: made by the model where PuLP can (3.3 on; 4.0 drops ``LpVariable(name, ...)``,
+    which 3.3 deprecates with a warning on every variable), directly before.
+
+    >>> model = pulp.LpProblem("example", pulp.LpMinimize)
+    >>> new_variable(model, "x", 0, 1, cat="Binary").cat
+    'Integer'
+    """
+    if hasattr(model, "add_variable"):
+        return model.add_variable(name, low, up, cat=cat)
+    return pulp.LpVariable(name, lowBound=low, upBound=up, cat=cat)
 
 
 # --- tensors, grouped by the rules that decide their liveness ---------------------------------------------------
@@ -222,9 +237,9 @@ class Encoding:
         self.lower_bounds: dict[str, list[Expr]] = {}  # name of each bounded-below variable -> its bounds
         self.upper_bounds: dict[str, list[Expr]] = {}  # name of each variable in [0, 1] bounded above -> its bounds
         self._derived: list[str] = []  # the names of both kinds, in the order they were made (bounds use earlier ones)
-        self.choose = [[pulp.LpVariable(f"x_{k}_{o}", cat="Binary") for o in range(len(stage.recompute_options))]
+        self.choose = [[new_variable(self.model, f"x_{k}_{o}", cat="Binary") for o in range(len(stage.recompute_options))]
                        for k, stage in enumerate(problem.stages)]
-        self.share = [pulp.LpVariable(f"s_{k}", cat="Binary") for k in range(n - 1)]
+        self.share = [new_variable(self.model, f"s_{k}", cat="Binary") for k in range(n - 1)]
         self._same: dict[tuple[int, int], pulp.LpVariable] = {}
         for k in range(n):
             self.model += pulp.lpSum(self.choose[k]) <= 1, f"one_option_{k}"
@@ -268,7 +283,7 @@ class Encoding:
 
     def at_least(self, name: str, bounds: Iterable[Expr]) -> pulp.LpVariable:
         """A continuous variable >= 0 and >= every bound; the memory constraints push it down to their maximum."""
-        var = pulp.LpVariable(name, lowBound=0)
+        var = new_variable(self.model, name, 0)
         kept = [pulp.LpAffineExpression(b) for b in bounds]
         for i, bound in enumerate(kept):
             self.model += var >= bound, f"{name}_lb{i}"
@@ -279,7 +294,7 @@ class Encoding:
     def at_most(self, name: str, bounds: Iterable[Expr]) -> pulp.LpVariable:
         """A continuous variable in [0, 1] and <= every bound; an objective or a memory constraint that gains from
         it pushes it up to their minimum."""
-        var = pulp.LpVariable(name, lowBound=0, upBound=1)
+        var = new_variable(self.model, name, 0, 1)
         kept = [pulp.LpAffineExpression(b) for b in bounds]
         for i, bound in enumerate(kept):
             self.model += var <= bound, f"{name}_ub{i}"
@@ -721,8 +736,10 @@ def _run(model: pulp.LpProblem, time_limit: float, gap: float,
     handle, log_path = tempfile.mkstemp(suffix=".log", prefix="planner_cbc_")
     os.close(handle)
     try:
-        solver = pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit, gapRel=gap, logPath=log_path, threads=threads,
-                                   options=[] if cutoff is None else [f"cutoff {cutoff!r}"])
+        with warnings.catch_warnings():  # PuLP 3.3 deprecates its bundled CBC, our fallback where HiGHS is not
+            warnings.simplefilter("ignore", DeprecationWarning)
+            solver = pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit, gapRel=gap, logPath=log_path,
+                                       threads=threads, options=[] if cutoff is None else [f"cutoff {cutoff!r}"])
         try:
             model.solve(solver)
         except pulp.PulpSolverError:  # CBC crashed (2.10 did, on a 50-stage Llama problem): the caller keeps its start
@@ -889,7 +906,7 @@ def min_peak_schedule(problem: Problem, *, time_limit: float = 60.0,
     one that peaks higher (it may run out of ``time_limit`` before it improves on it)."""
     encoding = Encoding(problem)
     unit = _memory_unit(problem)
-    peak = pulp.LpVariable("peak", lowBound=0)
+    peak = new_variable(encoding.model, "peak", 0)
     for i, event in enumerate(encoding.events):
         encoding.model += (1.0 / unit) * event.bytes <= peak, f"peak_{i}"
     encoding.model += peak
