@@ -34,10 +34,10 @@ from torch.utils._pytree import tree_flatten, tree_map_only
 from .attention import without_unmasking_mask
 from .budget import Budget, format_bytes, parse_budget
 from .compiled import CompiledFit, fit_plans
-from .capture import (CapturedGraph, RecaptureWarning, autocast_state, capture, casts_uncached, changed_values,
-                      detached_inputs, hooks_signature, input_signature, inputs_restored, is_layout_copy, modules_signature,
-                      mutated_nodes, no_larger_than, numbers_signature, outside_autocast, placed_stage_nodes,
-                      plan_key, replaced_modules, trained_signature)
+from .capture import (CapturedGraph, OwnCheckpointsWarning, RecaptureWarning, autocast_state, capture, casts_uncached,
+                      changed_values, detached_inputs, hooks_signature, input_signature, inputs_restored,
+                      is_layout_copy, modules_signature, mutated_nodes, no_larger_than, numbers_signature,
+                      outside_autocast, placed_stage_nodes, plan_key, replaced_modules, trained_signature)
 from .devices import DeviceSpec, device_spec, spec_for_gpu
 from .meta import device_type_of, meta_copy, target_kernels, tensors_of
 from .timing import AnalyticStopwatch, Estimate, stopwatch_for
@@ -932,6 +932,8 @@ def _plan_captured(model, captured: CapturedGraph, budget, *, loss_fn, optimizer
                                     last_call=last_call)
     budget_bytes = parsed.resolve(eager)
     _check_fits(parsed, budget_bytes, spec)
+    if parsed.fraction_of_eager is not None and captured.own_checkpoints:
+        _warn_own_checkpoints(model, captured.own_checkpoints, parsed, budget_bytes, eager)
     known = block_checkpoints(posed.block_ranges) if posed.block_ranges is not None else ()
 
     def solve_once(searched: Problem, target: int) -> Plan:
@@ -971,6 +973,19 @@ def _plan_captured(model, captured: CapturedGraph, budget, *, loss_fn, optimizer
                                  torch_version=torch.__version__, device=_device_of(model), timing=posed.timing,
                                  allocator_margin=margin, extra=result.extra + extra)
     return Planned(captured, problem, result, compiled_module)
+
+
+def _warn_own_checkpoints(model: torch.nn.Module, count: int, budget: Budget, budget_bytes: int,
+                          eager_bytes: int) -> None:
+    """Say that ``budget``, a share, is of the step without the ``count`` checkpoints ``model`` makes itself (see
+    :class:`~planner.capture.OwnCheckpointsWarning`)."""
+    warnings.warn(OwnCheckpointsWarning(
+        f"{type(model).__name__} checkpoints itself ({count} torch.utils.checkpoint call{'s' * (count > 1)} a "
+        f"step: Hugging Face's gradient_checkpointing_enable, for one). The plan replaces those checkpoints and "
+        f"decides anew what to recompute, and the budget {budget.text!r} is a share of its step without them "
+        f"({format_bytes(eager_bytes)}): {format_bytes(budget_bytes)}, which may be more than its own checkpoints "
+        f"took. Give the budget in bytes (what its checkpointed step peaks at, measured with "
+        f"planner.meter.measure_step_peak, say), or turn its checkpointing off"), stacklevel=3)
 
 
 def _sized_gradients(profile: GraphProfile, measured: StageMeasurement) -> GraphProfile:

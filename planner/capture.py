@@ -34,7 +34,7 @@ from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tr
 
 from .dropout import replayable_dropout
 from .errors import PlannerError
-from .functions import functions_kept_whole, is_own_code, name_function_calls, reentrant_checkpoints_traced
+from .functions import checkpoints_traced, functions_kept_whole, is_own_code, name_function_calls
 from .attention import restore_attention
 
 
@@ -52,6 +52,7 @@ class CapturedGraph:
     numbers: tuple = ()  # the numbers on the model's modules when it was captured (numbers_signature)
     trained: tuple = ()  # which of its parameters required gradients (trained_signature)
     modules: tuple = ()  # which modules it was made of (modules_signature)
+    own_checkpoints: int = 0  # checkpoints the model made itself, traced through (functions.checkpoints_traced)
 
     @property
     def key(self) -> tuple:
@@ -520,6 +521,12 @@ class ForwardHookWarning(UserWarning):
     (recording outputs, logging) ran once, at capture, and do not run in the planned module."""
 
 
+class OwnCheckpointsWarning(UserWarning):
+    """A model that checkpoints itself (``torch.utils.checkpoint``, Hugging Face's ``gradient_checkpointing_enable``)
+    was planned for a share of its eager peak: the plan replaces its checkpoints, and the share is of the step
+    without them, which may allow more memory than its own checkpoints took."""
+
+
 class RecaptureWarning(UserWarning):
     """Numbers the graph holds as constants (on the model's modules, or inputs that are not tensors) keep changing
     between calls, and each change captures the model again."""
@@ -883,7 +890,7 @@ def capture(model: torch.nn.Module, example_args: tuple, example_kwargs: dict | 
     numbers, trained, modules = numbers_signature(model), trained_signature(model), modules_signature(model)
     modes = [(module, module.training) for module in model.modules()]  # a BatchNorm frozen with eval() stays so
     try:
-        with _cache_dropped(model, kwargs), functions_kept_whole(), reentrant_checkpoints_traced(), \
+        with _cache_dropped(model, kwargs), functions_kept_whole(), checkpoints_traced() as own_checkpoints, \
                 _tensor_hooks_recorded() as tensor_hooks, _export_failure_unprinted(), \
                 python_draws_recorded() as python_draws, _counters_recorded(model) as counters:
             exported = torch.export.export(model, *unaliased(args, kwargs), strict=False)
@@ -920,7 +927,7 @@ def capture(model: torch.nn.Module, example_args: tuple, example_kwargs: dict | 
     name_function_calls(graph_module)
     return CapturedGraph(graph_module, args, kwargs, input_signature(args, kwargs), autocast,
                          hooks=hooks_signature(model), numbers=numbers, trained=trained,
-                         modules=modules)
+                         modules=modules, own_checkpoints=own_checkpoints.count)
 
 
 def flat_call_args(captured: CapturedGraph, args: tuple, kwargs: dict) -> list[Any]:

@@ -47,7 +47,7 @@ from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 from .errors import PlannerError
 
 __all__ = ["FunctionCall", "calls_function", "function_op", "functions_kept_whole", "is_own_code", "OWN_CODE",
-           "name_function_calls", "reentrant_checkpoints_traced"]
+           "name_function_calls", "checkpoints_traced", "OwnCheckpoints"]
 
 # Code whose hooks and autograd.Functions the captured graph stands for: torch's, and the planner's own
 OWN_CODE = ("torch.", "planner.rewrite", "planner.parts", "planner.profile", "planner.dropout")
@@ -218,30 +218,56 @@ def functions_kept_whole() -> Iterator[None]:
             setattr(cls, "forward", forward)
 
 
-class _TracedThrough:
-    """Stands in for ``torch.utils.checkpoint``'s reentrant ``CheckpointFunction`` (see
-    :func:`reentrant_checkpoints_traced`)."""
+@dataclass
+class OwnCheckpoints:
+    """How many checkpoints a model made itself (``torch.utils.checkpoint``, either kind) while it was captured."""
 
-    @staticmethod
-    def apply(run_function: Callable, preserve_rng_state: bool, *args: Any) -> Any:
-        return run_function(*args)
+    count: int = 0
 
 
 @contextlib.contextmanager
-def reentrant_checkpoints_traced() -> Iterator[None]:
+def checkpoints_traced() -> Iterator[OwnCheckpoints]:
     """Within the block, ``torch.utils.checkpoint.checkpoint(..., use_reentrant=True)`` (Hugging Face's
     ``gradient_checkpointing_enable`` without ``use_reentrant=False``, for one) calls the checkpointed function as
     it is. Its ``CheckpointFunction`` runs the function without autograd, which ``torch.export`` records as a graph
     that computes no gradients from there on (the first backward raises); traced through, the graph computes what
-    the model does, as for non-reentrant checkpoints, and the plan decides what is recomputed."""
+    the model does, as for non-reentrant checkpoints, and the plan decides what is recomputed. Yields the count of
+    the model's own checkpoints of either kind (the planner's regions, whose bodies are graph modules, left out):
+    a share of the eager peak is then of the step without them.
+
+    >>> import torch
+    >>> from torch.utils.checkpoint import checkpoint
+    >>> layer = torch.nn.Linear(2, 2)
+    >>> with checkpoints_traced() as own:
+    ...     _ = checkpoint(layer, torch.ones(1, 2), use_reentrant=True)
+    ...     _ = checkpoint(layer, torch.ones(1, 2), use_reentrant=False)
+    >>> own.count
+    2
+    """
     import torch.utils.checkpoint as checkpointing
 
+    own = OwnCheckpoints()
     reentrant = checkpointing.CheckpointFunction
-    checkpointing.CheckpointFunction = _TracedThrough
+    non_reentrant = checkpointing._checkpoint_without_reentrant_generator
+
+    class TracedThrough:
+        @staticmethod
+        def apply(run_function: Callable, preserve_rng_state: bool, *args: Any) -> Any:
+            own.count += 1
+            return run_function(*args)
+
+    def counted(function: Callable, *args: Any, **kwargs: Any) -> Any:
+        if not isinstance(getattr(function, "__self__", function), torch.fx.GraphModule):
+            own.count += 1
+        return non_reentrant(function, *args, **kwargs)
+
+    checkpointing.CheckpointFunction = TracedThrough
+    checkpointing._checkpoint_without_reentrant_generator = counted
     try:
-        yield
+        yield own
     finally:
         checkpointing.CheckpointFunction = reentrant
+        checkpointing._checkpoint_without_reentrant_generator = non_reentrant
 
 
 def name_function_calls(graph_module: torch.fx.GraphModule) -> torch.fx.GraphModule:

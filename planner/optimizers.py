@@ -93,7 +93,8 @@ def _kind(optimizer: torch.optim.Optimizer) -> str:
 def first_step_state_bytes(optimizer: torch.optim.Optimizer) -> int:
     """Bytes of the state ``optimizer``'s first step will make: that step taken on the meta device, or where it
     cannot run there, the copies of each trained parameter its kind makes (:data:`STATE_COPIES`, by the nearest known
-    class it derives from; momentum SGD and RMSprop by their options), each in the parameter's dtype (Adam keeps a bf16 parameter's moments in bf16).
+    class it derives from; momentum SGD and RMSprop by their options), each in the parameter's dtype (Adam keeps a
+    bf16 parameter's moments in bf16).
 
     >>> import torch
     >>> w = torch.nn.Parameter(torch.zeros(10, dtype=torch.bfloat16))

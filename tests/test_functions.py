@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
 import planner
-from planner.capture import capture
+from planner.capture import OwnCheckpointsWarning, capture
 from planner.costmodel import never_cached
 from planner.errors import PlannerError
 from planner.functions import calls_function
@@ -264,11 +266,32 @@ def test_checkpoints_the_model_makes_itself_are_traced_through_and_planned_anew(
     x = X.clone().requires_grad_()  # reentrant checkpoint needs an input that requires grad
     run = lambda m: _square_mean(m(x))  # noqa: E731
     eager = training_step(model, run, (x,))
-    opt = planner.optimize(model, "60%", example_inputs=(x,), loss_fn=_square_mean, profile_repeats=1,
-                           hold_outputs=False)
+    with pytest.warns(OwnCheckpointsWarning, match=r"checkpoints itself \(3 torch.utils.checkpoint calls a step"
+                      r".*'60%' is a share of its step without them"):
+        opt = planner.optimize(model, "60%", example_inputs=(x,), loss_fn=_square_mean, profile_repeats=1,
+                               hold_outputs=False)
+    assert opt.planned.captured.own_checkpoints == 3
     assert torch.utils.checkpoint.CheckpointFunction.__name__ == "CheckpointFunction"  # put back
+    assert torch.utils.checkpoint._checkpoint_without_reentrant_generator.__name__ == (
+        "_checkpoint_without_reentrant_generator")
     assert not any(calls_function(n) for n in opt.planned.captured.graph_module.graph.nodes)
     planned = training_step(opt, run, (x,), owner=model)
     assert_same_training(eager, planned, atol=0)
     assert planned.peak_bytes <= opt.plan.predicted_peak_bytes <= opt.plan.budget_bytes
     assert opt.plan.predicted_peak_bytes - planned.peak_bytes <= 1024  # exact, or a few bytes over
+
+
+def test_a_budget_in_bytes_for_a_model_that_checkpoints_itself_does_not_warn():
+    """A share of the eager peak is of the step without the model's own checkpoints, which the plan replaces, so it
+    may allow more than they took (:class:`OwnCheckpointsWarning`); a budget in bytes means what it says. The
+    planner's own regions, run inside another capture, are not the model's."""
+    torch.manual_seed(0)
+    model = CheckpointedByHand(use_reentrant=False)
+    first = planner.plan(model, "90%", (X,), loss_fn=_square_mean, profile_repeats=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", OwnCheckpointsWarning)
+        planner.plan(model, first.budget_bytes, (X,), loss_fn=_square_mean, profile_repeats=1)
+        plain = torch.nn.Sequential(*CheckpointedByHand(use_reentrant=False).blocks)  # checkpoints nothing itself
+        inner = planner.optimize(plain, "60%", example_inputs=(X,), profile_repeats=1)
+        assert inner.plan.regions
+        assert capture(torch.nn.Sequential(inner, torch.nn.Linear(WIDTH, 1)), (X,)).own_checkpoints == 0
