@@ -16,6 +16,7 @@ True
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import inspect
@@ -677,11 +678,131 @@ def _numbers(model: torch.nn.Module) -> dict[str, tuple[torch.nn.Module, str, An
             for name, value in _number_attributes(module, _TRAINING)}
 
 
+# What nn.Module.__init__ sets on every module (its parameters, buffers, children, hooks): not the model's own state
+_MODULE_OWN = frozenset(vars(torch.nn.Module()))
+_CONTAINERS = (list, dict, set, collections.deque)
+
+
+def _held_objects(model: torch.nn.Module) -> dict[str, tuple[torch.nn.Module, str, Any, tuple]]:
+    """The tensors (not parameters or buffers: plain attributes) and containers (lists, dicts, sets, deques) held
+    by ``model``'s modules, by path: the module, the name, the object and a summary that changes when a forward
+    sets or fills it (the tensor's identity; the container's length and the identities of the tensors in it)."""
+    held = {}
+    for path, module in model.named_modules():
+        libraries = _library_classes(type(module))
+        if type(module) in libraries and type(module).__module__.startswith("torch."):
+            continue  # what torch's modules keep (an LSTM's flat weights) is their own
+        for name, value in vars(module).items():
+            if name in _MODULE_OWN or isinstance(value, torch.nn.Parameter) or (libraries and name.startswith("_")):
+                continue
+            if isinstance(value, torch.Tensor):
+                summary: tuple = ("tensor", id(value))
+            elif type(value) in _CONTAINERS:
+                items = value.values() if isinstance(value, dict) else value
+                summary = (type(value).__name__, len(value), tuple(id(v) for v in items if isinstance(v, torch.Tensor)))
+            else:
+                continue
+            held[f"{path}.{name}" if path else name] = (module, name, value, summary)
+    return held
+
+
+@contextlib.contextmanager
+def _objects_set_recorded(model: torch.nn.Module) -> Iterator[list[str]]:
+    """The tensors and containers (see :func:`_held_objects`) that ``model``'s forward set or filled, by path, each
+    with what it did (the list it yields, filled on exit): a captured graph does neither, so after a planned step
+    they would still hold what they held before (an attention map kept for a plot, a mixture of experts' load
+    balancing loss that the training loop adds to its own). Read at the end of the forward, as export puts the
+    attributes back after.
+
+    >>> class Recording(torch.nn.Module):
+    ...     def __init__(self):
+    ...         super().__init__()
+    ...         self.norms = []
+    ...     def forward(self, x):
+    ...         self.last = x * 2
+    ...         self.norms.append(x.norm())
+    ...         return self.last
+    >>> model = Recording()
+    >>> with _objects_set_recorded(model) as changed:
+    ...     _ = model(torch.ones(2))
+    >>> changed
+    ['norms (filled)', 'last (set)']
+    """
+    before, after = _held_objects(model), {}
+
+    def at_the_end(module, args, output):
+        after.update(_held_objects(model))
+    handle = model.register_forward_hook(at_the_end)
+    changed: list[str] = []
+    try:
+        yield changed
+    finally:
+        handle.remove()
+        remade = _remade_by_torchs_hooks(model)
+        for path, (_, _, value, summary) in after.items():
+            if path in remade:
+                continue
+            if path not in before or before[path][2] is not value:
+                changed.append(f"{path} (set)")
+            elif before[path][3] != summary:
+                changed.append(f"{path} (filled)")
+
+
+@functools.lru_cache(maxsize=None)
+def _library_classes(cls: type) -> frozenset[type]:
+    """The classes in ``cls``'s MRO that torch or the planner define, ``nn.Module`` aside (a user's subclass of
+    ``nn.LSTM`` has ``nn.LSTM`` and ``nn.RNNBase``): their private attributes are theirs (the planner's module keeps
+    its plans and open calls)."""
+    return frozenset(c for c in cls.__mro__
+                     if c.__module__.startswith(("torch.", "planner.")) and c is not torch.nn.Module)
+
+
+def _remade_by_torchs_hooks(model: torch.nn.Module) -> set[str]:
+    """Attributes that torch's own forward pre-hooks make again before each forward, from parameters
+    (``torch.nn.utils.weight_norm``'s ``weight``, ``spectral_norm``'s), by path: the graph computes them itself."""
+    return {f"{path}.{hook.name}" if path else hook.name for path, module in model.named_modules()
+            for hook in module._forward_pre_hooks.values()
+            if is_own_code(hook) and isinstance(getattr(hook, "name", None), str)}
+
+
+@contextlib.contextmanager
+def _objects_kept(model: torch.nn.Module) -> Iterator[None]:
+    """Put back the tensors and containers of ``model``'s modules (see :func:`_held_objects`) as they were before
+    the block: each attribute's object, each container's items."""
+    before = _held_objects(model)
+    items = {path: type(value)(value) for path, (_, _, value, _) in before.items()
+             if not isinstance(value, torch.Tensor)}  # a shallow copy of each container
+    attributes = {id(module): dict(vars(module)) for module in model.modules()}  # None, say, before a tensor
+    try:
+        yield
+    finally:
+        for path, (module, name, _, _) in _held_objects(model).items():
+            if path not in before:
+                if name in attributes.get(id(module), {}):
+                    setattr(module, name, attributes[id(module)][name])
+                else:
+                    delattr(module, name)
+        for path, (module, name, value, _) in before.items():
+            setattr(module, name, value)
+            if path in items:
+                _refill(value, items[path])
+
+
+def _refill(container: Any, items: Any) -> None:
+    """Make ``container`` (a list, dict, set or deque) hold ``items`` (a copy of its kind) again."""
+    container.clear()
+    if isinstance(container, (dict, set)):
+        container.update(items)
+    else:
+        container.extend(items)
+
+
 @contextlib.contextmanager
 def numbers_kept(model: torch.nn.Module) -> Iterator[None]:
     """Run an eager step that is not the caller's (planning's measurements): the numbers its forward changes
-    (see :func:`_counters_recorded`) are put back after, as are Python's and NumPy's generators
-    (:func:`python_draws_recorded`).
+    (see :func:`_counters_recorded`) are put back after, as are the tensors and containers its modules hold
+    (:func:`_objects_set_recorded`: a list it appends to grows by the caller's steps only) and Python's and NumPy's
+    generators (:func:`python_draws_recorded`).
 
     >>> model = torch.nn.Linear(2, 2)
     >>> model.steps = 0
@@ -692,7 +813,7 @@ def numbers_kept(model: torch.nn.Module) -> Iterator[None]:
     """
     before = _numbers(model)
     try:
-        with python_draws_recorded():
+        with python_draws_recorded(), _objects_kept(model):
             yield
     finally:
         for module, name, value in before.values():
@@ -892,7 +1013,8 @@ def capture(model: torch.nn.Module, example_args: tuple, example_kwargs: dict | 
     try:
         with _cache_dropped(model, kwargs), functions_kept_whole(), checkpoints_traced() as own_checkpoints, \
                 _tensor_hooks_recorded() as tensor_hooks, _export_failure_unprinted(), \
-                python_draws_recorded() as python_draws, _counters_recorded(model) as counters:
+                python_draws_recorded() as python_draws, _counters_recorded(model) as counters, \
+                _objects_kept(model), _objects_set_recorded(model) as objects_set:
             exported = torch.export.export(model, *unaliased(args, kwargs), strict=False)
     except Exception as exc:  # export raises many types; all mean the same to the user
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
@@ -919,6 +1041,14 @@ def capture(model: torch.nn.Module, example_args: tuple, example_kwargs: dict | 
             f"again: it would run with the value of this one call on every step",
             hint="keep such state in a buffer (register_buffer) that forward updates in place, or change it "
                  "outside forward; optimize() plans the model's parts and runs its forward eagerly")
+    if objects_set:
+        raise PlannerError(
+            f"the forward of {type(model).__name__} sets or fills {', '.join(objects_set[:3])}"
+            f"{' and more' if len(objects_set) > 3 else ''}, which a captured graph would not do: after each planned "
+            f"step they would hold what they held before it (an attention map kept for a plot, a load balancing "
+            f"loss the training loop adds, would not be this step's)",
+            hint="return such tensors from forward; optimize() plans the model's parts and runs the forward that "
+                 "keeps them eagerly")
     graph_module, autocast = exported.module(), autocast_state()
     restore_attention(graph_module, model)  # is_causal and enable_gqa where Hugging Face passes them eagerly
     if replay_dropout and not autocast:  # under autocast the attention's math path casts its inputs: one op

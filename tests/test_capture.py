@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from planner.capture import (ForwardHookWarning, capture, changed_values, flat_call_args, hooked_modules,
-                            input_signature, module_path, numbers_signature, placed_stage_nodes)
+                            input_signature, module_path, numbers_kept, numbers_signature, placed_stage_nodes)
 from planner.errors import PlannerError
 
 
@@ -135,6 +135,44 @@ def test_a_forward_that_changes_a_number_on_the_model_is_not_captured():
         capture(model, (torch.randn(2, 8),))
     assert model.calls == 0  # export put it back
     assert capture(model.eval(), (torch.randn(2, 8),)).graph_module is not None  # in eval it counts nothing
+
+
+class KeepsWhatItSaw(torch.nn.Module):
+    """Keeps its last hidden state (as a model keeps an attention map for a plot), a list of norms, and an auxiliary
+    loss (as a mixture of experts keeps its load balancing loss for the training loop to add)."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(2))
+        self.last, self.norms = None, []
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = x + layer(x)
+        self.last = x.detach()
+        self.norms.append(x.detach().norm())
+        self.aux_loss = x.square().mean()
+        return x
+
+
+def test_a_forward_that_sets_or_fills_tensors_on_the_model_is_not_captured_and_leaves_them_as_they_were():
+    """A captured graph neither sets attributes nor appends to lists: after a planned step they held what they held
+    before (until 2026-12-07 a mixture of experts' load balancing losses were never this step's). A capture that
+    refuses leaves no fake tensor behind: ``last`` is None again, ``norms`` empty, ``aux_loss`` never set."""
+    model = KeepsWhatItSaw()
+    with pytest.raises(PlannerError, match=r"sets or fills last \(set\), norms \(filled\), aux_loss \(set\)"):
+        capture(model, (torch.randn(2, 8),))
+    assert model.last is None and model.norms == [] and not hasattr(model, "aux_loss")
+
+
+def test_numbers_kept_puts_back_the_tensors_and_containers_of_the_model():
+    model = KeepsWhatItSaw()
+    model.norms.append(torch.ones(()))
+    kept = list(model.norms)
+    with numbers_kept(model):
+        model(torch.randn(2, 8))
+    assert model.last is None and not hasattr(model, "aux_loss")
+    assert len(model.norms) == 1 and model.norms[0] is kept[0]
 
 
 def test_a_failed_capture_leaves_stderr_to_the_model_not_to_exports_partial_graph(capsys, caplog):

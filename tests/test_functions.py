@@ -287,7 +287,8 @@ def test_a_budget_in_bytes_for_a_model_that_checkpoints_itself_does_not_warn():
     planner's own regions, run inside another capture, are not the model's."""
     torch.manual_seed(0)
     model = CheckpointedByHand(use_reentrant=False)
-    first = planner.plan(model, "90%", (X,), loss_fn=_square_mean, profile_repeats=1)
+    with pytest.warns(OwnCheckpointsWarning, match="'90%' is a share"):
+        first = planner.plan(model, "90%", (X,), loss_fn=_square_mean, profile_repeats=1)
     with warnings.catch_warnings():
         warnings.simplefilter("error", OwnCheckpointsWarning)
         planner.plan(model, first.budget_bytes, (X,), loss_fn=_square_mean, profile_repeats=1)
