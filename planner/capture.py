@@ -757,6 +757,108 @@ def _library_classes(cls: type) -> frozenset[type]:
                      if c.__module__.startswith(("torch.", "planner.")) and c is not torch.nn.Module)
 
 
+@contextlib.contextmanager
+def _buffers_assigned_recorded(model: torch.nn.Module) -> Iterator[list[str]]:
+    """The buffers of ``model`` that its forward assigned anew (``self.running = self.running * 0.9 + ...``), by
+    name (the list it yields, filled on exit). ``torch.export`` records such an assignment for the root module's
+    buffers only: for a submodule's, the graph it made never updated the buffer (2.13).
+
+    >>> class Averaging(torch.nn.Module):
+    ...     def __init__(self):
+    ...         super().__init__()
+    ...         self.register_buffer("running", torch.zeros(2))
+    ...     def forward(self, x):
+    ...         self.running = 0.9 * self.running + 0.1 * x.detach()
+    ...         return x - self.running
+    >>> model = torch.nn.Sequential(Averaging())
+    >>> with _buffers_assigned_recorded(model) as assigned:
+    ...     _ = model(torch.ones(2))
+    >>> assigned
+    ['0.running']
+    """
+    before: dict[str, int] = {}
+    after: dict[str, int] = {}
+
+    def at_the_start(module, args):  # inside the trace: export has put its own tensors in the buffers' places
+        before.update((name, id(b)) for name, b in model.named_buffers())
+
+    def at_the_end(module, args, output):
+        after.update((name, id(b)) for name, b in model.named_buffers())
+    handles = [model.register_forward_pre_hook(at_the_start), model.register_forward_hook(at_the_end)]
+    assigned: list[str] = []
+    try:
+        yield assigned
+    finally:
+        for handle in handles:
+            handle.remove()
+        assigned.extend(name for name, identity in after.items() if name in before and before[name] != identity)
+
+
+def _written_attributes(graph_module: fx.GraphModule) -> set[str]:
+    """The attributes (buffers) of ``graph_module`` that its graph writes in place, directly or through views: a
+    buffer the model assigned anew, as ``torch.export`` records it (a ``copy_`` into it at the end).
+
+    >>> class Counting(torch.nn.Module):
+    ...     def __init__(self):
+    ...         super().__init__()
+    ...         self.register_buffer("seen", torch.zeros(()))
+    ...     def forward(self, x):
+    ...         self.seen += 1
+    ...         return x * 2
+    >>> _written_attributes(capture(Counting(), (torch.ones(2),)).graph_module)
+    {'seen'}
+    """
+    written = _written_bases(graph_module.graph)[1]
+    return {n.target for n in written if n.op == "get_attr"}
+
+
+def entangled_state(graph: fx.Graph) -> list[str]:
+    """Buffers and inputs that ``graph`` writes in place in a way no checkpoint region can hold, by name: read
+    before the write (a region that reads one, recomputed after the write, would read the new value, and autograd
+    refuses), or written from the step's activations and read after (the write would have to run in the middle of
+    a region, or run again in its recomputation). BatchNorm's own statistics are the kernel's, and safe. Writes
+    that only state reads after (a counter, a clamp, a running average nothing reads in the step) are safe too:
+    they run once, outside regions (:mod:`planner.rewrite`).
+
+    >>> class Normalizing(torch.nn.Module):
+    ...     def __init__(self):
+    ...         super().__init__()
+    ...         self.register_buffer("mean", torch.zeros(2))
+    ...     def forward(self, x):
+    ...         y = x - self.mean
+    ...         with torch.no_grad():
+    ...             self.mean.mul_(0.9).add_(0.1 * x.mean(0))
+    ...         return y
+    >>> exported = torch.export.export(Normalizing(), (torch.ones(3, 2),), strict=False)
+    >>> entangled_state(exported.module().graph)
+    ['mean']
+    """
+    base: dict[fx.Node, fx.Node] = {}
+    read: set[fx.Node] = set()
+    from_activations: set[fx.Node] = set()
+    entangled: dict[str, None] = {}
+    for n in graph.nodes:
+        if n.op != "call_function" or n.target is torch.ops.aten.batch_norm.default:
+            continue
+        first = n.args[0] if n.args and isinstance(n.args[0], fx.Node) else None
+        if first is not None and aliases_input(n):
+            base[n] = base.get(first, first)
+        written = {base.get(w, w) for w in written_arguments(n) if isinstance(w, fx.Node)}
+        states = {w for w in written if w.op in ("get_attr", "placeholder")}
+        sources = {base.get(x, x) for x in n.all_input_nodes} - written
+        for state in states:
+            if state in read:
+                entangled[state.name] = None
+            if any(x.op == "call_function" for x in sources):
+                from_activations.add(state)
+        if first is not None and aliases_input(n) and not written:
+            continue  # a view reads nothing yet
+        for state in sources & from_activations:
+            entangled[state.name] = None
+        read.update(x for x in sources if x.op in ("get_attr", "placeholder"))
+    return list(entangled)
+
+
 def _remade_by_torchs_hooks(model: torch.nn.Module) -> set[str]:
     """Attributes that torch's own forward pre-hooks make again before each forward, from parameters
     (``torch.nn.utils.weight_norm``'s ``weight``, ``spectral_norm``'s), by path: the graph computes them itself."""
@@ -1014,7 +1116,8 @@ def capture(model: torch.nn.Module, example_args: tuple, example_kwargs: dict | 
         with _cache_dropped(model, kwargs), functions_kept_whole(), checkpoints_traced() as own_checkpoints, \
                 _tensor_hooks_recorded() as tensor_hooks, _export_failure_unprinted(), \
                 python_draws_recorded() as python_draws, _counters_recorded(model) as counters, \
-                _objects_kept(model), _objects_set_recorded(model) as objects_set:
+                _objects_kept(model), _objects_set_recorded(model) as objects_set, \
+                _buffers_assigned_recorded(model) as buffers_assigned:
             exported = torch.export.export(model, *unaliased(args, kwargs), strict=False)
     except Exception as exc:  # export raises many types; all mean the same to the user
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
@@ -1041,6 +1144,27 @@ def capture(model: torch.nn.Module, example_args: tuple, example_kwargs: dict | 
             f"again: it would run with the value of this one call on every step",
             hint="keep such state in a buffer (register_buffer) that forward updates in place, or change it "
                  "outside forward; optimize() plans the model's parts and runs its forward eagerly")
+    graph_module, autocast = exported.module(), autocast_state()
+    entangled = entangled_state(graph_module.graph)
+    if entangled:
+        raise PlannerError(
+            f"the forward of {type(model).__name__} writes {', '.join(entangled[:3])}"
+            f"{' and more' if len(entangled) > 3 else ''} in place where it also reads "
+            f"{'them' if len(entangled) > 1 else 'it'} (a running statistic read before its update, or updated from "
+            f"this step's activations and read after): a checkpoint region around the read would see the new value "
+            f"when recomputed, or write it twice",
+            hint="optimize() plans the model's parts and runs the forward that writes it eagerly; to plan it whole, "
+                 "read such state only before the step's own update and update it from no activation, or outside "
+                 "forward")
+    unrecorded = sorted(set(buffers_assigned) - _written_attributes(graph_module))
+    if unrecorded:
+        raise PlannerError(
+            f"the forward of {type(model).__name__} assigns the buffer{'s' * (len(unrecorded) > 1)} "
+            f"{', '.join(unrecorded[:3])}{' and more' if len(unrecorded) > 3 else ''} anew, which torch.export "
+            f"does not record for a submodule's buffer: the captured graph would never update "
+            f"{'them' if len(unrecorded) > 1 else 'it'}",
+            hint="update such a buffer in place (self.running.mul_(0.9).add_(0.1 * x)), which the graph records; "
+                 "optimize() plans the model's parts and runs the forward that assigns it eagerly")
     if objects_set:
         raise PlannerError(
             f"the forward of {type(model).__name__} sets or fills {', '.join(objects_set[:3])}"
@@ -1049,7 +1173,6 @@ def capture(model: torch.nn.Module, example_args: tuple, example_kwargs: dict | 
             f"loss the training loop adds, would not be this step's)",
             hint="return such tensors from forward; optimize() plans the model's parts and runs the forward that "
                  "keeps them eagerly")
-    graph_module, autocast = exported.module(), autocast_state()
     restore_attention(graph_module, model)  # is_causal and enable_gqa where Hugging Face passes them eagerly
     if replay_dropout and not autocast:  # under autocast the attention's math path casts its inputs: one op
         replayable_dropout(graph_module)

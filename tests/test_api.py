@@ -641,6 +641,53 @@ def test_a_load_balancing_loss_kept_by_the_model_is_each_steps_own():
             assert torch.equal(p.grad, q.grad)
 
 
+class RunningCentred(torch.nn.Module):
+    """A block that centres its output on a running mean it keeps in a buffer, updated each training step in one
+    of the ways custom norms and momentum statistics do."""
+
+    def __init__(self, update: str, width=32):
+        super().__init__()
+        self.update, self.layer = update, Blocks(n=1, width=width).layers[0]
+        self.register_buffer("running", torch.zeros(width))
+
+    def forward(self, x):
+        h = self.layer(x)
+        if self.update == "assigned":  # a new tensor: export does not record it for a submodule's buffer
+            with torch.no_grad():
+                self.running = self.running * 0.9 + h.mean(0) * 0.1
+        elif self.update == "read_first":  # read, then updated in place
+            out = x + h - self.running
+            with torch.no_grad():
+                self.running.mul_(0.9).add_(h.mean(0) * 0.1)
+            return out
+        elif self.update == "in_place_chain":  # updated in place from this step's activations, then read
+            self.running.mul_(0.9).add_(h.detach().mean(0) * 0.1)
+        return x + h - self.running
+
+
+@pytest.mark.parametrize("update", ["assigned", "read_first", "in_place_chain"])
+def test_running_statistics_updated_in_forward_train_as_eager(update):
+    """Until 2026-12-07 the assigned buffer never changed in the planned module (export keeps no record of it),
+    the statistic read before its in-place update crashed the backward (a region's recomputation read the new
+    value), and the chained in-place update made planning raise. Such blocks now run eagerly and their layers are
+    planned: losses, gradients and buffers are eager's bit for bit."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[RunningCentred(update) for _ in range(4)])
+    reference = copy.deepcopy(model)
+    with pytest.warns(PartialCaptureWarning, match="does not capture as a whole"):
+        opt = planner.optimize(model, "60%", example_inputs=(X,), loss_fn=_loss, profile_repeats=1)
+    assert all(not block.running.any() for block in model)  # planning left the statistics as they were
+    for step in range(3):
+        ours, theirs = _loss(opt(X * (step + 1))), _loss(reference(X * (step + 1)))
+        assert ours.item() == theirs.item()
+        ours.backward()
+        theirs.backward()
+        for p, q in zip(model.parameters(), reference.parameters()):
+            assert torch.equal(p.grad, q.grad)
+        for a, b in zip(model.buffers(), reference.buffers()):
+            assert torch.equal(a, b)
+
+
 class LayerDrop(torch.nn.Module):
     """Residual MLP blocks each skipped when ``torch.rand(()) < p``, as Hugging Face's layerdrop does (wav2vec2's
     default is 0.1): data-dependent, so only the blocks capture, each a part of one stage."""

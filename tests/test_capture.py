@@ -175,6 +175,17 @@ def test_numbers_kept_puts_back_the_tensors_and_containers_of_the_model():
     assert len(model.norms) == 1 and model.norms[0] is kept[0]
 
 
+def test_state_written_where_a_region_could_not_hold_it_is_refused_and_safe_writes_are_not():
+    from tests.test_api import RunningCentred
+    with pytest.raises(PlannerError, match="assigns the buffer 0.running anew"):
+        capture(torch.nn.Sequential(RunningCentred("assigned")), (torch.randn(4, 32),))
+    for update in ("assigned", "read_first", "in_place_chain"):  # the root's assignment export records, as a copy_
+        with pytest.raises(PlannerError, match="writes running in place where it also reads it"):
+            capture(RunningCentred(update), (torch.randn(4, 32),))
+    norm = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.BatchNorm1d(32))  # the kernel's own statistics
+    assert capture(norm, (torch.randn(4, 32),)).graph_module is not None
+
+
 def test_a_failed_capture_leaves_stderr_to_the_model_not_to_exports_partial_graph(capsys, caplog):
     """torch.export prints the whole forward traced so far to stderr, twice, when it stops at data-dependent
     control flow, and logs that it found no user code for the symbol; a model planned in parts after such a failure
