@@ -759,9 +759,10 @@ def _library_classes(cls: type) -> frozenset[type]:
 
 @contextlib.contextmanager
 def _buffers_assigned_recorded(model: torch.nn.Module) -> Iterator[list[str]]:
-    """The buffers of ``model`` that its forward assigned anew (``self.running = self.running * 0.9 + ...``), by
-    name (the list it yields, filled on exit). ``torch.export`` records such an assignment for the root module's
-    buffers only: for a submodule's, the graph it made never updated the buffer (2.13).
+    """The buffers of ``model`` that its forward assigned anew (``self.running = self.running * 0.9 + ...``) or
+    registered (a cache made on the first call), by name (the list it yields, filled on exit). ``torch.export``
+    records such an assignment for the root module's buffers only: for a submodule's, the graph it made never
+    updated the buffer (2.13); and no graph registers a buffer.
 
     >>> class Averaging(torch.nn.Module):
     ...     def __init__(self):
@@ -791,7 +792,7 @@ def _buffers_assigned_recorded(model: torch.nn.Module) -> Iterator[list[str]]:
     finally:
         for handle in handles:
             handle.remove()
-        assigned.extend(name for name, identity in after.items() if name in before and before[name] != identity)
+        assigned.extend(name for name, identity in after.items() if before.get(name) != identity)
 
 
 def _written_attributes(graph_module: fx.GraphModule) -> set[str]:
@@ -870,14 +871,22 @@ def _remade_by_torchs_hooks(model: torch.nn.Module) -> set[str]:
 @contextlib.contextmanager
 def _objects_kept(model: torch.nn.Module) -> Iterator[None]:
     """Put back the tensors and containers of ``model``'s modules (see :func:`_held_objects`) as they were before
-    the block: each attribute's object, each container's items."""
+    the block: each attribute's object, each container's items, and each module's buffers (one registered in the
+    block goes; until 2026-12-07 a buffer a forward registered on its first call was left a fake tensor by
+    capture, which the model's own forward and its state dict then held)."""
     before = _held_objects(model)
     items = {path: type(value)(value) for path, (_, _, value, _) in before.items()
              if not isinstance(value, torch.Tensor)}  # a shallow copy of each container
     attributes = {id(module): dict(vars(module)) for module in model.modules()}  # None, say, before a tensor
+    buffers = {id(module): (module, dict(module._buffers)) for module in model.modules()}
     try:
         yield
     finally:
+        for module, kept in buffers.values():  # a buffer registered in forward (export's would be a fake tensor)
+            for name in set(module._buffers) - set(kept):
+                del module._buffers[name]
+                module._non_persistent_buffers_set.discard(name)
+            module._buffers.update(kept)
         for path, (module, name, _, _) in _held_objects(model).items():
             if path not in before:
                 if name in attributes.get(id(module), {}):
@@ -1159,9 +1168,9 @@ def capture(model: torch.nn.Module, example_args: tuple, example_kwargs: dict | 
     unrecorded = sorted(set(buffers_assigned) - _written_attributes(graph_module))
     if unrecorded:
         raise PlannerError(
-            f"the forward of {type(model).__name__} assigns the buffer{'s' * (len(unrecorded) > 1)} "
-            f"{', '.join(unrecorded[:3])}{' and more' if len(unrecorded) > 3 else ''} anew, which torch.export "
-            f"does not record for a submodule's buffer: the captured graph would never update "
+            f"the forward of {type(model).__name__} assigns or registers the buffer{'s' * (len(unrecorded) > 1)} "
+            f"{', '.join(unrecorded[:3])}{' and more' if len(unrecorded) > 3 else ''}, which torch.export does "
+            f"not record for a submodule's buffer: the captured graph would never update or register "
             f"{'them' if len(unrecorded) > 1 else 'it'}",
             hint="update such a buffer in place (self.running.mul_(0.9).add_(0.1 * x)), which the graph records; "
                  "optimize() plans the model's parts and runs the forward that assigns it eagerly")

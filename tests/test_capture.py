@@ -177,13 +177,37 @@ def test_numbers_kept_puts_back_the_tensors_and_containers_of_the_model():
 
 def test_state_written_where_a_region_could_not_hold_it_is_refused_and_safe_writes_are_not():
     from tests.test_api import RunningCentred
-    with pytest.raises(PlannerError, match="assigns the buffer 0.running anew"):
+    with pytest.raises(PlannerError, match="assigns or registers the buffer 0.running, which torch.export"):
         capture(torch.nn.Sequential(RunningCentred("assigned")), (torch.randn(4, 32),))
     for update in ("assigned", "read_first", "in_place_chain"):  # the root's assignment export records, as a copy_
         with pytest.raises(PlannerError, match="writes running in place where it also reads it"):
             capture(RunningCentred(update), (torch.randn(4, 32),))
     norm = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.BatchNorm1d(32))  # the kernel's own statistics
     assert capture(norm, (torch.randn(4, 32),)).graph_module is not None
+
+
+class ScaledLazily(torch.nn.Module):
+    """Registers a buffer on its first call, sized by the input (a mask or position cache made lazily)."""
+
+    def __init__(self):
+        super().__init__()
+        self.layer = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        if not hasattr(self, "scale"):
+            self.register_buffer("scale", torch.linspace(0.5, 1.5, x.shape[-1]))
+        return self.layer(x) * self.scale
+
+
+def test_a_buffer_registered_in_forward_is_not_captured_and_no_fake_tensor_is_left_in_its_place():
+    """No graph registers a buffer, and export registered a fake tensor in the model: until 2026-12-07 the model
+    held it after planning (its own forward and its state dict then held a tensor with no data)."""
+    model = torch.nn.Sequential(ScaledLazily())
+    with pytest.raises(PlannerError, match="registers the buffer 0.scale"):
+        capture(model, (torch.randn(2, 8),))
+    assert not hasattr(model[0], "scale") and "0.scale" not in model.state_dict()
+    model(torch.randn(2, 8))  # its own first call registers it
+    assert type(model[0].scale) is torch.Tensor
 
 
 def test_a_failed_capture_leaves_stderr_to_the_model_not_to_exports_partial_graph(capsys, caplog):
