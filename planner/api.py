@@ -22,7 +22,6 @@ import inspect
 import itertools
 import os
 import time
-import warnings
 import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator, Sequence
@@ -45,7 +44,7 @@ from .costmodel import (Granularity, add_checkpoint_overheads, build_problem, ca
                         granularity_of, never_cached, partition_stages, passes_gradient_through, refinement,
                         scale_seconds, stage_gradient_bytes, with_seconds_of)
 from .dropout import is_mask, is_state
-from .errors import InfeasibleBudgetError, PlannerError
+from .errors import InfeasibleBudgetError, PlannerError, warn_at_callers_line
 from .optimizers import optimizer_state_bytes
 from .plan import Plan, SolverStatus, budget_for_usable, usable_bytes
 from .problem import Problem, RecomputeOption, Region, Schedule, recompute_seconds, region_caches, simulate
@@ -888,10 +887,10 @@ def _pose_within_memory(captured: CapturedGraph, spec: DeviceSpec | None, **opti
                                     "of your GPU): nothing then runs") from exc
     if captured_device_type(captured) == "cuda":  # outside the handler: its traceback no longer holds the step
         torch.cuda.empty_cache()
-    warnings.warn(f"the eager step ran out of memory while being profiled; planned from a meta copy of the graph "
-                  f"with {fallback.name}'s figures ({fallback.description or fallback.name}, "
-                  f"{format_bytes(fallback.memory_bytes)}) instead: memory from the tensors' sizes, times from the "
-                  f"roofline model", stacklevel=4)
+    warn_at_callers_line(UserWarning(
+        f"the eager step ran out of memory while being profiled; planned from a meta copy of the graph with "
+        f"{fallback.name}'s figures ({fallback.description or fallback.name}, {format_bytes(fallback.memory_bytes)}) "
+        f"instead: memory from the tensors' sizes, times from the roofline model"))
     module, (args, kwargs) = meta_copy(captured.graph_module, (captured.example_args, captured.example_kwargs))
     twin = dataclasses.replace(captured, graph_module=module, example_args=args, example_kwargs=kwargs)
     return remembered_pose(twin, device=fallback, **options)
@@ -979,13 +978,13 @@ def _warn_own_checkpoints(model: torch.nn.Module, count: int, budget: Budget, bu
                           eager_bytes: int) -> None:
     """Say that ``budget``, a share, is of the step without the ``count`` checkpoints ``model`` makes itself (see
     :class:`~planner.capture.OwnCheckpointsWarning`)."""
-    warnings.warn(OwnCheckpointsWarning(
+    warn_at_callers_line(OwnCheckpointsWarning(
         f"{type(model).__name__} checkpoints itself ({count} torch.utils.checkpoint call{'s' * (count > 1)} a "
         f"step: Hugging Face's gradient_checkpointing_enable, for one). The plan replaces those checkpoints and "
         f"decides anew what to recompute, and the budget {budget.text!r} is a share of its step without them "
         f"({format_bytes(eager_bytes)}): {format_bytes(budget_bytes)}, which may be more than its own checkpoints "
         f"took. Give the budget in bytes (what its checkpointed step peaks at, measured with "
-        f"planner.meter.measure_step_peak, say), or turn its checkpointing off"), stacklevel=3)
+        f"planner.meter.measure_step_peak, say), or turn its checkpointing off"))
 
 
 def _sized_gradients(profile: GraphProfile, measured: StageMeasurement) -> GraphProfile:
@@ -1407,12 +1406,12 @@ class OptimizedModule(torch.nn.Module):
             return
         names = list(dict.fromkeys(name for names, _ in self._recaptures for name in names))
         each = sum(seconds for _, seconds in self._recaptures) / len(self._recaptures)
-        warnings.warn(RecaptureWarning(
+        warn_at_callers_line(RecaptureWarning(
             f"{', '.join(names[:4])}{' and more' if len(names) > 4 else ''} changed on {len(self._recaptures)} "
             f"calls of {type(self.model).__name__}, and each change captured the model again ({each:.2f} s each, "
             f"then its plan ran): its graph holds them as constants. Keep a number that changes often in a buffer "
             f"(register_buffer, updated in place with fill_) or pass it to forward as a tensor: the graph reads "
-            f"those each call"), stacklevel=4)
+            f"those each call"))
 
     def _planning_pays(self, key: tuple, planned: Planned) -> bool:
         """Whether a reused plan has been run often enough that planning its inputs anew pays: once its calls have
@@ -1503,9 +1502,9 @@ class OptimizedModule(torch.nn.Module):
         if shared_peak > budget_bytes:  # what the parts hold from their forward to their backward, while others run
             parts = self._parts_checkpointed_whole(found, posed, planned_parts, measured_peak, budget_bytes, whole,
                                                    recorded.eager_peak_bytes, shared_peak)
-        warnings.warn(PartialCaptureWarning(
+        warn_at_callers_line(PartialCaptureWarning(
             f"{type(self.model).__name__} does not capture as a whole ({error.message}); planned its parts "
-            f"{', '.join(parts)} to shed {format_bytes(shed)} together, and runs the rest eagerly"), stacklevel=4)
+            f"{', '.join(parts)} to shed {format_bytes(shed)} together, and runs the rest eagerly"))
         return parts
 
     def _parts_checkpointed_whole(self, found: dict[str, CapturedGraph], posed: dict[str, Posed], planned_parts,
@@ -1609,13 +1608,12 @@ class OptimizedModule(torch.nn.Module):
         if self._double_backward_warned:
             return
         self._double_backward_warned = True
-        warnings.warn(DoubleBackwardWarning(
+        warn_at_callers_line(DoubleBackwardWarning(
             f"a backward with create_graph=True (a gradient penalty, higher-order gradients) ran through the plan "
             f"of {type(self.model).__name__}, which was made for steps of one backward: the step holds the graph "
             f"of the first backward, recomputed tensors included, until the second, and the budget of "
             f"{format_bytes(self.plan.budget_bytes)} does not cover it. Its gradients are exact; measure the step "
-            f"(planner.meter.measure_step_peak) and plan with a budget that leaves room for that graph"),
-            stacklevel=2)
+            f"(planner.meter.measure_step_peak) and plan with a budget that leaves room for that graph"))
 
     def _grads_held_now(self) -> bool:
         """Whether this step begins with gradients held (``grads_held``, or by default whether any trained

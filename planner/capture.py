@@ -25,7 +25,6 @@ import logging
 import operator
 import random
 import sys
-import warnings
 from dataclasses import dataclass
 from typing import AbstractSet, Any, Iterator, Sequence
 
@@ -34,7 +33,7 @@ import torch.fx as fx
 from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
 
 from .dropout import replayable_dropout
-from .errors import PlannerError
+from .errors import PlannerError, warn_at_callers_line
 from .functions import checkpoints_traced, functions_kept_whole, is_own_code, name_function_calls
 from .attention import restore_attention
 
@@ -612,10 +611,10 @@ def _check_hooks(model: torch.nn.Module) -> None:
                                 "eagerly, hooks included; or remove the hooks while planning")
     forward = hooked_modules(model, _FORWARD_HOOKS)
     if forward:
-        warnings.warn(ForwardHookWarning(
+        warn_at_callers_line(ForwardHookWarning(
             f"{type(model).__name__} has forward hooks on {_described(forward)}: the planned module computes "
             "what they do to tensors, but anything else they do (recording outputs, logging) ran once while "
-            "capturing and will not run again; remove them before planning if it matters"), stacklevel=4)
+            "capturing and will not run again; remove them before planning if it matters"))
 
 
 @contextlib.contextmanager

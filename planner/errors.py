@@ -11,6 +11,10 @@ planner.errors.PlannerError: budget '8 bananas' is not a size. Hint: write 8GB, 
 
 from __future__ import annotations
 
+import os
+import sys
+import warnings
+
 
 class PlannerError(Exception):
     """A problem with what the user asked for, stated with what would work instead."""
@@ -24,3 +28,26 @@ class PlannerError(Exception):
 
 class InfeasibleBudgetError(PlannerError):
     """The budget is below the smallest peak any plan reaches; ``minimum_budget_bytes`` holds that peak."""
+
+
+_PLANNER = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def warn_at_callers_line(warning: Warning) -> None:
+    """Issue ``warning`` where the user's code led to it: at the first frame outside the planner and torch (a call
+    of the planned module reaches the planner through ``nn.Module.__call__``), so the message names the user's own
+    line, and the default filter shows it once per such line.
+
+    >>> import warnings
+    >>> with warnings.catch_warnings(record=True) as caught:
+    ...     warnings.simplefilter("always")
+    ...     warn_at_callers_line(UserWarning("look here"))
+    >>> caught[0].filename.endswith("errors.py")
+    False
+    """
+    torch = sys.modules.get("torch")
+    libraries = (_PLANNER,) + ((os.path.dirname(torch.__file__) + os.sep,) if torch is not None else ())
+    frame, level = sys._getframe(1), 1
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(libraries):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(warning, stacklevel=level + 1)

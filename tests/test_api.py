@@ -225,8 +225,9 @@ def test_a_gradient_penalty_trains_as_eager_and_warns_that_the_budget_does_not_c
         warnings.simplefilter("error")
         _loss(opt(X.clone().requires_grad_(True))).backward()
     model.zero_grad(set_to_none=True)
-    with pytest.warns(planner.api.DoubleBackwardWarning, match="create_graph=True.*does not cover it"):
+    with pytest.warns(planner.api.DoubleBackwardWarning, match="create_graph=True.*does not cover it") as warned:
         planned = penalised(opt)
+    assert warned[0].filename == __file__  # raised in autograd's hook, it names the caller's backward
     eager = penalised(reference)
     assert torch.equal(planned[0], eager[0])
     for p, q in zip(model.parameters(), reference.parameters()):
@@ -674,8 +675,9 @@ def test_running_statistics_updated_in_forward_train_as_eager(update):
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[RunningCentred(update) for _ in range(4)])
     reference = copy.deepcopy(model)
-    with pytest.warns(PartialCaptureWarning, match="does not capture as a whole"):
+    with pytest.warns(PartialCaptureWarning, match="does not capture as a whole") as warned:
         opt = planner.optimize(model, "60%", example_inputs=(X,), loss_fn=_loss, profile_repeats=1)
+    assert warned[0].filename == __file__  # the warning names the caller's line, not the planner's
     assert all(not block.running.any() for block in model)  # planning left the statistics as they were
     for step in range(3):
         ours, theirs = _loss(opt(X * (step + 1))), _loss(reference(X * (step + 1)))
