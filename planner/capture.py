@@ -517,8 +517,9 @@ _TRACED_HOOKS = frozenset({"make_inputs_require_grads"})  # Hugging Face's (PEFT
 
 
 class ForwardHookWarning(UserWarning):
-    """The model has forward hooks: torch.export traces their tensor ops into the graph, but their other effects
-    (recording outputs, logging) ran once, at capture, and do not run in the planned module."""
+    """A global forward hook (``register_module_forward_hook``, on every module, so no part runs without it):
+    torch.export traces its tensor ops into the graph, but its other effects (recording outputs, logging) ran once,
+    at capture, and do not run in the planned module."""
 
 
 class OwnCheckpointsWarning(UserWarning):
@@ -602,7 +603,10 @@ def _described(paths: list[str]) -> str:
 
 
 def _check_hooks(model: torch.nn.Module) -> None:
-    """Raise when ``model`` has backward hooks of the user's, warn when it has forward hooks."""
+    """Raise when ``model``'s modules have hooks of the user's, backward or forward; warn for a global forward hook,
+    which no part is without. A forward hook's tensor ops would be in the graph, but what else it does (records an
+    output, logs) would have run once, at capture, on fake tensors: until 2026-12-07 such hooks were traced, and a
+    hook recording each step's activations recorded one fake tensor."""
     backward = hooked_modules(model)
     if backward:
         raise PlannerError(f"{type(model).__name__} has backward hooks on {_described(backward)}: the planned "
@@ -610,6 +614,12 @@ def _check_hooks(model: torch.nn.Module) -> None:
                            hint="planner.optimize plans the submodules without them and runs the hooked ones "
                                 "eagerly, hooks included; or remove the hooks while planning")
     forward = hooked_modules(model, _FORWARD_HOOKS)
+    if forward and forward != ["*"]:
+        raise PlannerError(f"{type(model).__name__} has forward hooks on {_described(forward)}: the planned module "
+                           "runs the captured graph, not the modules, so what they do besides tensor ops (recording "
+                           "outputs, logging) would not run",
+                           hint="planner.optimize plans the submodules without them and runs the hooked ones "
+                                "eagerly, hooks included; or remove the hooks while planning")
     if forward:
         warn_at_callers_line(ForwardHookWarning(
             f"{type(model).__name__} has forward hooks on {_described(forward)}: the planned module computes "

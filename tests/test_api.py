@@ -502,20 +502,28 @@ def test_a_step_too_large_to_profile_on_an_unknown_gpu_names_the_way_out(model, 
         planner.optimize(model, "60%", example_inputs=(X,), loss_fn=_loss)
 
 
-def test_a_hook_registered_after_planning_is_captured_by_the_next_call(model):
-    """Plans are cached under the model's hooks too: a forward hook registered after planning is traced by the
-    next call (its tensor ops run in the graph; a ForwardHookWarning says what else will not, as for hooks there
-    at planning), and once it is removed the first plan runs again."""
-    opt = planner.optimize(model, "60%", example_inputs=(X,), loss_fn=_loss, profile_repeats=1)
+def test_a_hook_registered_after_planning_runs_its_module_eagerly_each_step(model):
+    """Plans are cached under the model's hooks too: a forward hook registered after planning makes the next call
+    plan around the hooked module, which then runs eagerly, hook and all, every step (until 2026-12-07 the hook
+    was traced: its tensor ops ran, but a hook recording outputs recorded one fake tensor, at capture), and once
+    it is removed the first plan runs again."""
+    opt = planner.optimize(model, "75%", example_inputs=(X,), loss_fn=_loss, profile_repeats=1)
     first = opt.planned
-    handle = model.layers[1].register_forward_hook(lambda module, args, output: output * 2)
+    seen = []
+    handle = model.layers[1].register_forward_hook(lambda module, args, output: seen.append(output) or output * 2)
     eager = training_step(model, lambda m: _loss(m(X)), (X,))
-    with pytest.warns(planner.capture.ForwardHookWarning, match="'layers.1'"):
-        traced = training_step(opt, lambda m: _loss(m(X)), (X,), owner=model)
-    assert_same_training(eager, traced, atol=0)
-    handle.remove()
+    seen.clear()
+    with pytest.warns(PartialCaptureWarning, match="forward hooks on 'layers.1'"):
+        hooked = training_step(opt, lambda m: _loss(m(X)), (X,), owner=model)
+    assert_same_training(eager, hooked, atol=0)
+    seen.clear()  # planning's own eager steps ran it too
     _loss(opt(X)).backward()
-    assert opt.planned is first and len(opt._planned) == 2
+    _loss(opt(X)).backward()
+    assert len(seen) == 2 and all(type(out) is torch.Tensor for out in seen)  # each step's, real
+    handle.remove()
+    model.zero_grad(set_to_none=True)  # (gradients held would be a plan of their own)
+    _loss(opt(X)).backward()
+    assert not opt.parts and opt.planned is first  # whole again, on the first plan
 
 
 def test_a_backward_hook_registered_after_planning_runs_its_module_eagerly_until_it_is_removed():

@@ -274,15 +274,25 @@ def test_a_graph_that_would_not_train_as_the_model_does_is_refused():
         global_handle.remove()
 
 
-def test_forward_hooks_are_traced_and_their_other_effects_named():
+def test_forward_hooks_keep_their_modules_out_of_the_graph_and_a_global_one_is_traced_and_named():
+    """A hook's tensor ops would be in the graph, but what else it does (here: record each output) would have
+    run once, at capture, on a fake tensor: the hooked module is not captured (optimize plans around it). A global
+    hook is on every module, so it is traced and named."""
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
     seen = []
-    model[0].register_forward_hook(lambda module, args, out: seen.append(out.shape) or out + 1)
+    model[0].register_forward_hook(lambda module, args, out: seen.append(out) or out + 1)
     x = torch.randn(2, 4)
-    with pytest.warns(ForwardHookWarning, match="forward hooks on '0'.*will not run again"):
-        captured = capture(model, (x,))
-    seen.clear()
-    assert torch.equal(captured.graph_module(x), model(x)) and len(seen) == 1  # the + 1 is in the graph
+    with pytest.raises(PlannerError, match="forward hooks on '0'.*recording outputs, logging"):
+        capture(model, (x,))
+    assert seen == []  # refused before export ran it
+    captured = capture(model[1], (x,))  # a module without hooks captures
+    handle = torch.nn.modules.module.register_module_forward_hook(lambda module, args, out: None)
+    try:
+        with pytest.warns(ForwardHookWarning, match="every module \\(a global hook\\).*will not run again"):
+            captured = capture(torch.nn.Sequential(torch.nn.Linear(4, 4)), (x,))
+    finally:
+        handle.remove()
+    assert captured.graph_module is not None
 
     def make_inputs_require_grads(module, args, out):  # Hugging Face's enable_input_require_grads (PEFT)
         out.requires_grad_(True)
