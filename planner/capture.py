@@ -26,7 +26,7 @@ import operator
 import random
 import sys
 from dataclasses import dataclass
-from typing import AbstractSet, Any, Iterator, Sequence
+from typing import AbstractSet, Any, Callable, Iterator, Sequence
 
 import torch
 import torch.fx as fx
@@ -666,18 +666,28 @@ def _counters_recorded(model: torch.nn.Module) -> Iterator[list[str]]:
     >>> changed
     ['steps']
     """
-    before, after = _numbers(model), {}
+    before, changed = _numbers(model), []
+    with _read_at_forward_end(model, lambda: _numbers(model)) as after:
+        try:
+            yield changed
+        finally:
+            changed.extend(name for name, (_, _, value) in after.items()
+                           if name in before and before[name][2] != value)
+
+
+@contextlib.contextmanager
+def _read_at_forward_end(model: torch.nn.Module, read: Callable[[], dict]) -> Iterator[dict]:
+    """A dict that gets what ``read()`` returns at the end of ``model``'s forward in the block (empty until then):
+    export puts the model's attributes back after its forward, so what the forward changed is read inside it."""
+    after: dict = {}
 
     def at_the_end(module, args, output):
-        after.update(_numbers(model))
+        after.update(read())
     handle = model.register_forward_hook(at_the_end)
-    changed: list[str] = []
     try:
-        yield changed
+        yield after
     finally:
         handle.remove()
-        changed.extend(name for name, (_, _, value) in after.items()
-                       if name in before and before[name][2] != value)
 
 
 def _numbers(model: torch.nn.Module) -> dict[str, tuple[torch.nn.Module, str, Any]]:
@@ -737,24 +747,19 @@ def _objects_set_recorded(model: torch.nn.Module) -> Iterator[list[str]]:
     >>> changed
     ['norms (filled)', 'last (set)']
     """
-    before, after = _held_objects(model), {}
-
-    def at_the_end(module, args, output):
-        after.update(_held_objects(model))
-    handle = model.register_forward_hook(at_the_end)
-    changed: list[str] = []
-    try:
-        yield changed
-    finally:
-        handle.remove()
-        remade = _remade_by_torchs_hooks(model)
-        for path, (_, _, value, summary) in after.items():
-            if path in remade:
-                continue
-            if path not in before or before[path][2] is not value:
-                changed.append(f"{path} (set)")
-            elif before[path][3] != summary:
-                changed.append(f"{path} (filled)")
+    before, changed = _held_objects(model), []
+    with _read_at_forward_end(model, lambda: _held_objects(model)) as after:
+        try:
+            yield changed
+        finally:
+            remade = _remade_by_torchs_hooks(model)
+            for path, (_, _, value, summary) in after.items():
+                if path in remade:
+                    continue
+                if path not in before or before[path][2] is not value:
+                    changed.append(f"{path} (set)")
+                elif before[path][3] != summary:
+                    changed.append(f"{path} (filled)")
 
 
 @functools.lru_cache(maxsize=None)
@@ -787,21 +792,20 @@ def _buffers_assigned_recorded(model: torch.nn.Module) -> Iterator[list[str]]:
     ['0.running']
     """
     before: dict[str, int] = {}
-    after: dict[str, int] = {}
+
+    def identities() -> dict[str, int]:
+        return {name: id(b) for name, b in model.named_buffers()}
 
     def at_the_start(module, args):  # inside the trace: export has put its own tensors in the buffers' places
-        before.update((name, id(b)) for name, b in model.named_buffers())
-
-    def at_the_end(module, args, output):
-        after.update((name, id(b)) for name, b in model.named_buffers())
-    handles = [model.register_forward_pre_hook(at_the_start), model.register_forward_hook(at_the_end)]
+        before.update(identities())
+    handle = model.register_forward_pre_hook(at_the_start)
     assigned: list[str] = []
-    try:
-        yield assigned
-    finally:
-        for handle in handles:
+    with _read_at_forward_end(model, identities) as after:
+        try:
+            yield assigned
+        finally:
             handle.remove()
-        assigned.extend(name for name, identity in after.items() if before.get(name) != identity)
+            assigned.extend(name for name, identity in after.items() if before.get(name) != identity)
 
 
 def _written_attributes(graph_module: fx.GraphModule) -> set[str]:
