@@ -1104,6 +1104,42 @@ def unaliased(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     return tree_unflatten(copied, spec)
 
 
+def _check_state_kept(model: torch.nn.Module, graph_module: fx.GraphModule, objects_set: list[str],
+                      buffers_assigned: list[str]) -> None:
+    """Raise where the planned module would not keep ``model``'s state as its forward does: buffers or inputs
+    written where a region could not hold them (:func:`entangled_state`), buffers assigned or registered that the
+    graph does not write (:func:`_buffers_assigned_recorded`), and tensors or containers set or filled
+    (:func:`_objects_set_recorded`)."""
+    entangled = entangled_state(graph_module.graph)
+    if entangled:
+        raise PlannerError(
+            f"the forward of {type(model).__name__} writes {', '.join(entangled[:3])}"
+            f"{' and more' if len(entangled) > 3 else ''} in place where it also reads "
+            f"{'them' if len(entangled) > 1 else 'it'} (a running statistic read before its update, or updated from "
+            f"this step's activations and read after): a checkpoint region around the read would see the new value "
+            f"when recomputed, or write it twice",
+            hint="optimize() plans the model's parts and runs the forward that writes it eagerly; to plan it whole, "
+                 "read such state only before the step's own update and update it from no activation, or outside "
+                 "forward")
+    unrecorded = sorted(set(buffers_assigned) - _written_attributes(graph_module))
+    if unrecorded:
+        raise PlannerError(
+            f"the forward of {type(model).__name__} assigns or registers the buffer{'s' * (len(unrecorded) > 1)} "
+            f"{', '.join(unrecorded[:3])}{' and more' if len(unrecorded) > 3 else ''}, which torch.export does "
+            f"not record for a submodule's buffer: the captured graph would never update or register "
+            f"{'them' if len(unrecorded) > 1 else 'it'}",
+            hint="update such a buffer in place (self.running.mul_(0.9).add_(0.1 * x)), which the graph records; "
+                 "optimize() plans the model's parts and runs the forward that assigns it eagerly")
+    if objects_set:
+        raise PlannerError(
+            f"the forward of {type(model).__name__} sets or fills {', '.join(objects_set[:3])}"
+            f"{' and more' if len(objects_set) > 3 else ''}, which a captured graph would not do: after each planned "
+            f"step they would hold what they held before it (an attention map kept for a plot, a load balancing "
+            f"loss the training loop adds, would not be this step's)",
+            hint="return such tensors from forward; optimize() plans the model's parts and runs the forward that "
+                 "keeps them eagerly")
+
+
 def capture(model: torch.nn.Module, example_args: tuple, example_kwargs: dict | None = None, *,
             replay_dropout: bool = True) -> CapturedGraph:
     """Export ``model`` for training and return its unlifted graph module.
@@ -1118,10 +1154,12 @@ def capture(model: torch.nn.Module, example_args: tuple, example_kwargs: dict | 
     runs them eagerly (:func:`planner.attention.restore_attention`).
 
     Raises :class:`PlannerError` naming the cause when the model does not capture or the inputs do not fit it, and
-    when the graph would not train as the model does: the model has backward hooks (:func:`hooked_modules`), or its
-    forward registers gradient hooks on tensors, which torch.export drops. Forward hooks are traced; a
-    :class:`ForwardHookWarning` says that their other effects will not run. The user's autograd.Functions are kept
-    whole, forward and backward (:mod:`planner.functions`).
+    when the graph would not train as the model does: the model's modules have hooks of the user's, backward or
+    forward (:func:`hooked_modules`; a global forward hook is traced, and a :class:`ForwardHookWarning` says that
+    its other effects will not run), its forward registers gradient hooks on tensors, which torch.export drops, or
+    it keeps state the graph would not (:func:`_check_state_kept`). What export's trace left on the model is put
+    back (:func:`_objects_kept`). The user's autograd.Functions are kept whole, forward and backward
+    (:mod:`planner.functions`).
     """
     if not isinstance(model, torch.nn.Module):
         raise PlannerError(f"expected an nn.Module to plan, got {type(model).__name__}",
@@ -1167,34 +1205,7 @@ def capture(model: torch.nn.Module, example_args: tuple, example_kwargs: dict | 
             hint="keep such state in a buffer (register_buffer) that forward updates in place, or change it "
                  "outside forward; optimize() plans the model's parts and runs its forward eagerly")
     graph_module, autocast = exported.module(), autocast_state()
-    entangled = entangled_state(graph_module.graph)
-    if entangled:
-        raise PlannerError(
-            f"the forward of {type(model).__name__} writes {', '.join(entangled[:3])}"
-            f"{' and more' if len(entangled) > 3 else ''} in place where it also reads "
-            f"{'them' if len(entangled) > 1 else 'it'} (a running statistic read before its update, or updated from "
-            f"this step's activations and read after): a checkpoint region around the read would see the new value "
-            f"when recomputed, or write it twice",
-            hint="optimize() plans the model's parts and runs the forward that writes it eagerly; to plan it whole, "
-                 "read such state only before the step's own update and update it from no activation, or outside "
-                 "forward")
-    unrecorded = sorted(set(buffers_assigned) - _written_attributes(graph_module))
-    if unrecorded:
-        raise PlannerError(
-            f"the forward of {type(model).__name__} assigns or registers the buffer{'s' * (len(unrecorded) > 1)} "
-            f"{', '.join(unrecorded[:3])}{' and more' if len(unrecorded) > 3 else ''}, which torch.export does "
-            f"not record for a submodule's buffer: the captured graph would never update or register "
-            f"{'them' if len(unrecorded) > 1 else 'it'}",
-            hint="update such a buffer in place (self.running.mul_(0.9).add_(0.1 * x)), which the graph records; "
-                 "optimize() plans the model's parts and runs the forward that assigns it eagerly")
-    if objects_set:
-        raise PlannerError(
-            f"the forward of {type(model).__name__} sets or fills {', '.join(objects_set[:3])}"
-            f"{' and more' if len(objects_set) > 3 else ''}, which a captured graph would not do: after each planned "
-            f"step they would hold what they held before it (an attention map kept for a plot, a load balancing "
-            f"loss the training loop adds, would not be this step's)",
-            hint="return such tensors from forward; optimize() plans the model's parts and runs the forward that "
-                 "keeps them eagerly")
+    _check_state_kept(model, graph_module, objects_set, buffers_assigned)
     restore_attention(graph_module, model)  # is_causal and enable_gqa where Hugging Face passes them eagerly
     if replay_dropout and not autocast:  # under autocast the attention's math path casts its inputs: one op
         replayable_dropout(graph_module)
