@@ -862,15 +862,20 @@ def entangled_state(graph: fx.Graph) -> list[str]:
         sources = {base.get(x, x) for x in n.all_input_nodes} - written
         for state in states:
             if state in read:
-                entangled[state.name] = None
+                entangled[_state_name(state)] = None
             if any(x.op == "call_function" for x in sources):
                 from_activations.add(state)
         if first is not None and aliases_input(n) and not written:
             continue  # a view reads nothing yet
         for state in sources & from_activations:
-            entangled[state.name] = None
+            entangled[_state_name(state)] = None
         read.update(x for x in sources if x.op in ("get_attr", "placeholder"))
     return list(entangled)
+
+
+def _state_name(node: fx.Node) -> str:
+    """A buffer's path on the model (``vq.codebook``), or an input's name."""
+    return str(node.target) if node.op == "get_attr" else node.name
 
 
 def _remade_by_torchs_hooks(model: torch.nn.Module) -> set[str]:
