@@ -650,6 +650,20 @@ def test_a_load_balancing_loss_kept_by_the_model_is_each_steps_own():
             assert torch.equal(p.grad, q.grad)
 
 
+def _assert_steps_as_eager(opt, model, reference, batches):
+    """A step of ``opt`` and of ``reference`` on each of ``batches``, gradients accumulating: losses, gradients
+    and buffers bit for bit alike after each."""
+    for batch in batches:
+        ours, theirs = _loss(opt(batch)), _loss(reference(batch))
+        assert ours.item() == theirs.item()
+        ours.backward()
+        theirs.backward()
+        for p, q in zip(model.parameters(), reference.parameters()):
+            assert torch.equal(p.grad, q.grad)
+        for a, b in zip(model.buffers(), reference.buffers()):
+            assert torch.equal(a, b)
+
+
 class RunningCentred(torch.nn.Module):
     """A block that centres its output on a running mean it keeps in a buffer, updated each training step in one
     of the ways custom norms and momentum statistics do."""
@@ -687,15 +701,7 @@ def test_running_statistics_updated_in_forward_train_as_eager(update):
         opt = planner.optimize(model, "60%", example_inputs=(X,), loss_fn=_loss, profile_repeats=1)
     assert warned[0].filename == __file__  # the warning names the caller's line, not the planner's
     assert all(not block.running.any() for block in model)  # planning left the statistics as they were
-    for step in range(3):
-        ours, theirs = _loss(opt(X * (step + 1))), _loss(reference(X * (step + 1)))
-        assert ours.item() == theirs.item()
-        ours.backward()
-        theirs.backward()
-        for p, q in zip(model.parameters(), reference.parameters()):
-            assert torch.equal(p.grad, q.grad)
-        for a, b in zip(model.buffers(), reference.buffers()):
-            assert torch.equal(a, b)
+    _assert_steps_as_eager(opt, model, reference, [X, X * 2, X * 3])
 
 
 class Quantizer(torch.nn.Module):
@@ -728,15 +734,7 @@ def test_a_vq_vae_whose_codebook_moves_each_step_trains_as_eager():
     with pytest.warns(PartialCaptureWarning, match="writes 1.codebook in place where it also reads it"):
         opt = planner.optimize(model, "70%", example_inputs=(X,), loss_fn=_loss, profile_repeats=1)
     assert any(part.plan.regions for part in opt.parts.values())
-    for step in range(3):
-        ours, theirs = _loss(opt(X)), _loss(reference(X))
-        assert ours.item() == theirs.item()
-        ours.backward()
-        theirs.backward()
-        for p, q in zip(model.parameters(), reference.parameters()):
-            assert torch.equal(p.grad, q.grad)
-        for a, b in zip(model.buffers(), reference.buffers()):
-            assert torch.equal(a, b)
+    _assert_steps_as_eager(opt, model, reference, [X, X, X])
 
 
 class LayerDrop(torch.nn.Module):
