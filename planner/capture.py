@@ -602,6 +602,10 @@ def _described(paths: list[str]) -> str:
     return ", ".join(repr(p) for p in paths[:4]) + (f" and {len(paths) - 4} more" if len(paths) > 4 else "")
 
 
+_HOOKED_RUN_EAGERLY = ("planner.optimize plans the submodules without them and runs the hooked ones eagerly, hooks "
+                       "included; or remove the hooks while planning")
+
+
 def _check_hooks(model: torch.nn.Module) -> None:
     """Raise when ``model``'s modules have hooks of the user's, backward or forward; warn for a global forward hook,
     which no part is without. A forward hook's tensor ops would be in the graph, but what else it does (records an
@@ -611,15 +615,13 @@ def _check_hooks(model: torch.nn.Module) -> None:
     if backward:
         raise PlannerError(f"{type(model).__name__} has backward hooks on {_described(backward)}: the planned "
                            "module runs the captured graph, not the modules, so they would not run",
-                           hint="planner.optimize plans the submodules without them and runs the hooked ones "
-                                "eagerly, hooks included; or remove the hooks while planning")
+                           hint=_HOOKED_RUN_EAGERLY)
     forward = hooked_modules(model, _FORWARD_HOOKS)
     if forward and forward != ["*"]:
         raise PlannerError(f"{type(model).__name__} has forward hooks on {_described(forward)}: the planned module "
                            "runs the captured graph, not the modules, so what they do besides tensor ops (recording "
                            "outputs, logging) would not run",
-                           hint="planner.optimize plans the submodules without them and runs the hooked ones "
-                                "eagerly, hooks included; or remove the hooks while planning")
+                           hint=_HOOKED_RUN_EAGERLY)
     if forward:
         warn_at_callers_line(ForwardHookWarning(
             f"{type(model).__name__} has forward hooks on {_described(forward)}: the planned module computes "
@@ -709,7 +711,7 @@ def _held_objects(model: torch.nn.Module) -> dict[str, tuple[torch.nn.Module, st
     held = {}
     for path, module in model.named_modules():
         libraries = _library_classes(type(module))
-        if type(module) in libraries and type(module).__module__.startswith("torch."):
+        if type(module) is not torch.nn.Module and type(module).__module__.startswith("torch."):
             continue  # what torch's modules keep (an LSTM's flat weights) is their own
         for name, value in vars(module).items():
             if name in _MODULE_OWN or isinstance(value, torch.nn.Parameter) or (libraries and name.startswith("_")):
@@ -847,16 +849,13 @@ def entangled_state(graph: fx.Graph) -> list[str]:
     >>> entangled_state(exported.module().graph)
     ['mean']
     """
-    base: dict[fx.Node, fx.Node] = {}
+    base = _written_bases(graph)[0]
     read: set[fx.Node] = set()
     from_activations: set[fx.Node] = set()
     entangled: dict[str, None] = {}
     for n in graph.nodes:
         if n.op != "call_function" or n.target is torch.ops.aten.batch_norm.default:
             continue
-        first = n.args[0] if n.args and isinstance(n.args[0], fx.Node) else None
-        if first is not None and aliases_input(n):
-            base[n] = base.get(first, first)
         written = {base.get(w, w) for w in written_arguments(n) if isinstance(w, fx.Node)}
         states = {w for w in written if w.op in ("get_attr", "placeholder")}
         sources = {base.get(x, x) for x in n.all_input_nodes} - written
@@ -865,7 +864,7 @@ def entangled_state(graph: fx.Graph) -> list[str]:
                 entangled[_state_name(state)] = None
             if any(x.op == "call_function" for x in sources):
                 from_activations.add(state)
-        if first is not None and aliases_input(n) and not written:
+        if n in base and not written:
             continue  # a view reads nothing yet
         for state in sources & from_activations:
             entangled[_state_name(state)] = None

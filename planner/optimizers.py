@@ -19,6 +19,8 @@ import warnings
 
 import torch
 
+from .meter import storage_bytes
+
 __all__ = ["optimizer_state_bytes", "state_bytes", "first_step_state_bytes"]
 
 # Copies of each parameter that an optimizer's first step makes, by its class name, for optimizers whose step does
@@ -45,17 +47,8 @@ def state_bytes(optimizer: torch.optim.Optimizer) -> int:
     >>> state_bytes(sgd)                                    # the momentum buffer
     40
     """
-    storages = {}
-    for state in optimizer.state.values():
-        for value in state.values():
-            if isinstance(value, torch.Tensor) and value.dim() > 0:
-                local = _local(value)
-                storages[local.untyped_storage().data_ptr() or id(local)] = local.untyped_storage().nbytes()
-    return sum(storages.values())
-
-
-def _trained(optimizer: torch.optim.Optimizer) -> dict[int, torch.Tensor]:
-    return {id(p): p for g in optimizer.param_groups for p in g["params"] if p.requires_grad}
+    return storage_bytes(_local(value) for state in optimizer.state.values() for value in state.values()
+                         if isinstance(value, torch.Tensor) and value.dim() > 0)
 
 
 def _meta_first_step_bytes(optimizer: torch.optim.Optimizer) -> int:
@@ -78,8 +71,7 @@ def _meta_first_step_bytes(optimizer: torch.optim.Optimizer) -> int:
         warnings.simplefilter("ignore")
         dry = type(optimizer)(groups)
         dry.step()
-    return sum(_local(v).untyped_storage().nbytes() for state in dry.state.values()
-               for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
+    return state_bytes(dry)
 
 
 def _kind(optimizer: torch.optim.Optimizer) -> str:

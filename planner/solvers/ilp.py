@@ -237,8 +237,8 @@ class Encoding:
         self.lower_bounds: dict[str, list[Expr]] = {}  # name of each bounded-below variable -> its bounds
         self.upper_bounds: dict[str, list[Expr]] = {}  # name of each variable in [0, 1] bounded above -> its bounds
         self._derived: list[str] = []  # the names of both kinds, in the order they were made (bounds use earlier ones)
-        self.choose = [[new_variable(self.model, f"x_{k}_{o}", cat="Binary") for o in range(len(stage.recompute_options))]
-                       for k, stage in enumerate(problem.stages)]
+        self.choose = [[new_variable(self.model, f"x_{k}_{o}", cat="Binary")
+                        for o in range(len(stage.recompute_options))] for k, stage in enumerate(problem.stages)]
         self.share = [new_variable(self.model, f"s_{k}", cat="Binary") for k in range(n - 1)]
         self._same: dict[tuple[int, int], pulp.LpVariable] = {}
         for k in range(n):
