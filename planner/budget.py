@@ -95,3 +95,18 @@ def format_bytes(nbytes: float) -> str:
             return f"{value:.0f} B" if unit == "B" else f"{value:.2f} {unit}"
         value /= 1024
     raise AssertionError("unreachable")
+
+
+def format_bytes_apart(first: float, second: float) -> tuple[str, str]:
+    """Two sizes as :func:`format_bytes` prints them, each with its exact byte count where those prints are equal
+    (a budget a few bytes short of what it must be reads as short).
+
+    >>> format_bytes_apart(1_974_000, 1_975_304)
+    ('1.88 MiB (1,974,000 B)', '1.88 MiB (1,975,304 B)')
+    >>> format_bytes_apart(1_000_000, 1_975_304)
+    ('976.56 KiB', '1.88 MiB')
+    """
+    printed = format_bytes(first), format_bytes(second)
+    if printed[0] != printed[1] or first == second:
+        return printed
+    return f"{printed[0]} ({first:,.0f} B)", f"{printed[1]} ({second:,.0f} B)"

@@ -43,7 +43,7 @@ from . import __version__, solvers
 from .api import (Posed, _compile_options, _plan_captured, allocator_margin_for, capture_for, captured_device_type,
                   device_budget, fingerprint, pose)
 from .attention import without_unmasking_mask
-from .budget import Budget, format_bytes, parse_budget
+from .budget import Budget, format_bytes, format_bytes_apart, parse_budget
 from .devices import device_spec
 from .capture import CapturedGraph
 from .costmodel import Granularity
@@ -302,7 +302,8 @@ def open_session(args: argparse.Namespace, progress: Progress) -> Session:
 def _infeasible(budget: Budget, budget_bytes: int, minimum: int | None, why: str) -> InfeasibleBudgetError:
     smallest = (f"the smallest feasible budget is {format_bytes(minimum)} ({minimum} bytes): rerun with "
                 f"--budget {minimum} or more" if minimum is not None else "no smaller peak is known")
-    return InfeasibleBudgetError(f"budget {budget.text!r} ({format_bytes(budget_bytes)}) cannot be met: {why}; "
+    budget_text = format_bytes_apart(budget_bytes, minimum)[0] if minimum is not None else format_bytes(budget_bytes)
+    return InfeasibleBudgetError(f"budget {budget.text!r} ({budget_text}) cannot be met: {why}; "
                                  f"{smallest}", minimum_budget_bytes=minimum)
 
 

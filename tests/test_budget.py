@@ -1,6 +1,6 @@
 import pytest
 
-from planner.budget import Budget, format_bytes, parse_budget
+from planner.budget import Budget, format_bytes, format_bytes_apart, parse_budget
 from planner.errors import PlannerError
 
 
@@ -37,3 +37,10 @@ def test_format_bytes_uses_binary_units():
     assert format_bytes(2048) == "2.00 KiB"
     assert format_bytes(5 * 2**20) == "5.00 MiB"
     assert format_bytes(3 * 2**40) == "3072.00 GiB"
+
+
+def test_format_bytes_apart_shows_bytes_only_where_the_prints_agree():
+    assert format_bytes_apart(2 * 2**20, 3 * 2**20) == ("2.00 MiB", "3.00 MiB")
+    short, needed = format_bytes_apart(1_975_000, 1_975_304)
+    assert short != needed and "1,975,000 B" in short and "1,975,304 B" in needed
+    assert format_bytes_apart(5, 5) == ("5 B", "5 B")

@@ -9,7 +9,7 @@ import pytest
 from planner import solvers
 from planner.errors import InfeasibleBudgetError, PlannerError
 from planner.plan import SolverStatus
-from planner.problem import Schedule, simulate
+from planner.problem import Problem, Schedule, Stage, TensorInfo, simulate
 from planner.solvers.baselines import (checkpoint_prefix, chen_sqrt, fewest_blocks, infeasible_budget_error,
                                        solve_baseline, store_all, uniform, whole)
 from tests.solver_problems import random_chain, random_dag
@@ -144,3 +144,10 @@ def test_solve_rejects_unknown_methods_and_stray_options():
         solvers.solve(problem, 10**6, method="uniform", time_limit=3)
     with pytest.raises(TypeError):
         solvers.solve(problem, 10**6, method="dp", gap=0.1)
+
+
+def test_infeasible_message_tells_a_budget_a_few_bytes_short_from_the_minimum():
+    problem = Problem((Stage("a", 1.0, 2.0, grad_bytes=300_000), Stage("b", 1.0, 2.0)),
+                      (TensorInfo("x", 200_000, 0, frozenset({1}), frozenset({1})),), fixed_bytes=500_000)
+    text = str(infeasible_budget_error(problem, 799_997, Schedule()))
+    assert "budget 781.25 KiB (799,997 B) is below the smallest peak any plan reaches, 781.25 KiB (800,000 B)" in text

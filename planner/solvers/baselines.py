@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 from typing import Callable, Sequence
 
-from ..budget import format_bytes
+from ..budget import format_bytes, format_bytes_apart
 from ..errors import InfeasibleBudgetError, PlannerError
 from ..plan import Plan, SolverStatus
 from ..problem import Problem, Schedule, simulate
@@ -202,8 +202,8 @@ def infeasible_budget_error(problem: Problem, budget_bytes: int, minimum_schedul
               "workspace": event.workspace_bytes / total, "activations": event.activation_bytes / total}
     phase = {"forward": "forward", "backward": "backward", "backward_start": "start of the backward",
              "recompute": "recomputation before the backward"}.get(event.phase.value, event.phase.value)
-    message = (f"budget {format_bytes(budget_bytes)} is below the smallest peak any plan reaches, "
-               f"{format_bytes(minimum.peak_bytes)} (eager peak {format_bytes(eager.peak_bytes)}). At that peak "
+    budget_text, minimum_text = format_bytes_apart(budget_bytes, minimum.peak_bytes)
+    message = (f"budget {budget_text} is below the smallest peak any plan reaches, {minimum_text} (eager peak {format_bytes(eager.peak_bytes)}). At that peak "
                f"({phase} of stage {problem.stages[event.stage].name}), fixed memory (parameters, inputs,"
                f" optimizer state) is {shares['fixed']:.0%}, gradients {shares['gradients']:.0%}, workspace "
                f"{shares['workspace']:.0%} and activations {shares['activations']:.0%}")
