@@ -1670,6 +1670,9 @@ class OptimizedModule(torch.nn.Module):
             self._plan_new(args, planned_kwargs)
             if self._parts is not None:  # it captures only in parts now (a backward hook registered since)
                 return self._run_planned(run_model, args, kwargs)
+            # the model's first forward may have changed what keys its plans (transformers installs its
+            # output-capturing hooks then): the plan is under the key of the model as captured
+            base_key, key = self._keys(args, planned_kwargs, sharded)
         kwargs = planned_kwargs
         planned, module = self._planned[key]
         self._planned.move_to_end(key)  # the most recently used (what _forget_least_used_reused keeps)

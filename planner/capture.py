@@ -26,6 +26,7 @@ import operator
 import random
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import AbstractSet, Any, Callable, Iterator, Sequence
 
 import torch
@@ -571,9 +572,49 @@ def _traced_whole(hook: Any) -> bool:
     return getattr(_hook_function(hook), "__name__", None) in _TRACED_HOOKS
 
 
-def _foreign(hook: Any) -> bool:
-    """Whether ``hook`` is the user's: not torch's, the planner's, or one whose only effect the graph holds."""
-    return not is_own_code(hook) and not _traced_whole(hook)
+def _foreign(hook: Any, collected_inside: bool = False) -> bool:
+    """Whether ``hook`` is the user's: not torch's, the planner's, or one whose only effect the graph holds
+    (:data:`_TRACED_HOOKS`, or Hugging Face's output-capturing hook on a module whose outputs are collected by a
+    forward inside the captured one: ``collected_inside``, :func:`_collecting_paths`)."""
+    if is_own_code(hook) or _traced_whole(hook):
+        return False
+    return not (collected_inside and _captures_outputs(hook))
+
+
+def _captures_outputs(hook: Any) -> bool:
+    """Whether ``hook`` is the forward hook by which a Hugging Face model collects its layers' outputs
+    (``output_hidden_states``, ``output_attentions``; ``transformers.utils.output_capturing``)."""
+    function = _hook_function(hook)
+    return (getattr(function, "__name__", None) == "output_capturing_hook"
+            and getattr(function, "__module__", "").startswith("transformers."))
+
+
+def _collects_outputs(module: torch.nn.Module) -> bool:
+    """Whether ``module``'s forward is wrapped by Hugging Face's ``capture_outputs``, which sets the collector the
+    output-capturing hooks below it append to, and returns what they appended."""
+    forward = getattr(type(module), "forward", None)
+    while forward is not None:
+        code = getattr(forward, "__code__", None)  # functools.wraps gave the wrapper the forward's own names
+        if code is not None and code.co_name == "wrapper" and Path(code.co_filename).parts[-3:] == _COLLECTING:
+            return True
+        forward = getattr(forward, "__wrapped__", None)
+    return False
+
+
+_COLLECTING = ("transformers", "utils", "output_capturing.py")  # where capture_outputs' wrapper is defined
+
+
+def _collecting_paths(model: torch.nn.Module) -> list[str]:
+    """Paths of ``model``'s modules (itself "") whose forward collects outputs (:func:`_collects_outputs`): within
+    a call of ``model`` each sets the collector afresh, so an output-capturing hook below one of them appends to a
+    collector of that call and returns through its outputs, which the graph holds. Above none (``model`` is part
+    of a model that collects), a hook appends to a collector of a call outside the graph, and must run."""
+    return [path for path, module in model.named_modules() if _collects_outputs(module)]
+
+
+def _below(path: str, ancestors: list[str]) -> bool:
+    """Whether module ``path`` is one of ``ancestors`` or inside one ("" is the root)."""
+    return any(a == "" or path == a or path.startswith(a + ".") for a in ancestors)
 
 
 def hooked_modules(model: torch.nn.Module, kinds: Sequence[str] = _BACKWARD_HOOKS) -> list[str]:
@@ -592,8 +633,10 @@ def hooked_modules(model: torch.nn.Module, kinds: Sequence[str] = _BACKWARD_HOOK
     import torch.nn.modules.module as module_globals
     if any(_foreign(hook) for kind in kinds for hook in getattr(module_globals, f"_global{kind}").values()):
         return ["*"]
+    collecting = _collecting_paths(model)
     return [path for path, module in model.named_modules()
-            if any(_foreign(hook) for kind in kinds for hook in getattr(module, kind).values())]
+            if any(_foreign(hook, _below(path, collecting))
+                   for kind in kinds for hook in getattr(module, kind).values())]
 
 
 def _described(paths: list[str]) -> str:
@@ -1174,7 +1217,6 @@ def capture(model: torch.nn.Module, example_args: tuple, example_kwargs: dict | 
         raise PlannerError("example inputs contain no tensor",
                            hint="pass the inputs of one training step, e.g. example_inputs=(batch,)")
     _check_hooks(model)
-    numbers, trained, modules = numbers_signature(model), trained_signature(model), modules_signature(model)
     modes = [(module, module.training) for module in model.modules()]  # a BatchNorm frozen with eval() stays so
     try:
         with _cache_dropped(model, kwargs), functions_kept_whole(), checkpoints_traced() as own_checkpoints, \
@@ -1208,6 +1250,7 @@ def capture(model: torch.nn.Module, example_args: tuple, example_kwargs: dict | 
             f"again: it would run with the value of this one call on every step",
             hint="keep such state in a buffer (register_buffer) that forward updates in place, or change it "
                  "outside forward; optimize() plans the model's parts and runs its forward eagerly")
+    _check_hooks(model)  # and those its forward registered (transformers' output-capturing hooks, on the first call)
     graph_module, autocast = exported.module(), autocast_state()
     _check_state_kept(model, graph_module, objects_set, buffers_assigned)
     restore_attention(graph_module, model)  # is_causal and enable_gqa where Hugging Face passes them eagerly
@@ -1215,9 +1258,11 @@ def capture(model: torch.nn.Module, example_args: tuple, example_kwargs: dict | 
         replayable_dropout(graph_module)
     name_layout_copies(graph_module)
     name_function_calls(graph_module)
+    # keyed by the model as its forward left it, as the next call finds it (a flag set on the first call)
     return CapturedGraph(graph_module, args, kwargs, input_signature(args, kwargs), autocast,
-                         hooks=hooks_signature(model), numbers=numbers, trained=trained,
-                         modules=modules, own_checkpoints=own_checkpoints.count)
+                         hooks=hooks_signature(model), numbers=numbers_signature(model),
+                         trained=trained_signature(model), modules=modules_signature(model),
+                         own_checkpoints=own_checkpoints.count)
 
 
 def flat_call_args(captured: CapturedGraph, args: tuple, kwargs: dict) -> list[Any]:

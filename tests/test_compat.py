@@ -309,6 +309,11 @@ ARCHITECTURES = {  # default configs otherwise: dropout on where the model has i
     "vit": (_hf("ViTConfig", "ViTForImageClassification", hidden_size=32, num_hidden_layers=3,
                 num_attention_heads=4, intermediate_size=64, image_size=32, patch_size=4, num_labels=10),
             {"pixel_values": torch.randn(16, 3, 32, 32), "labels": torch.randint(0, 10, (16,))}),
+    # its head reads every stage's hidden state, collected by transformers' output-capturing hooks
+    "segformer": (_hf("SegformerConfig", "SegformerForSemanticSegmentation", num_encoder_blocks=2, depths=[1, 1],
+                      sr_ratios=[2, 1], hidden_sizes=[16, 32], num_attention_heads=[1, 2], decoder_hidden_size=32,
+                      num_labels=4),
+                  {"pixel_values": torch.randn(4, 3, 32, 32), "labels": torch.randint(0, 4, (4, 32, 32))}),
 }
 
 
@@ -712,3 +717,36 @@ def test_a_plan_made_with_labels_given_as_the_inputs_trains_on_labels_of_their_o
     eager = training_step(model, lambda m: m(**padded, use_cache=False).loss, list(padded.values()))
     assert_same_training(eager, training_step(opt, run, list(padded.values()), owner=model), atol=0)
     assert len(opt._planned) == 1
+
+
+def test_hugging_face_output_capturing_hooks_are_traced_where_the_graph_returns_what_they_collect():
+    """transformers 5 collects hidden states and attentions by forward hooks on the layers, appending to a
+    collector that the model's own forward (``capture_outputs``) sets and returns: in the graph of a model that
+    collects, they are what it computes. Until 2026-12-08 they were the user's hooks, so a model asking for hidden
+    states (Segformer's head always does, as do vision towers read at a layer) was planned in parts. A layer
+    captured on its own is below no forward that collects: there its hook appends to a call outside the graph,
+    and must run. Planned on its first call, where the hooks are installed by the forward being captured: until
+    then that call raised a KeyError, its plan kept under the model's hooks after capture and its numbers before."""
+    from planner.capture import _FORWARD_HOOKS, hooked_modules
+
+    model = _hf("LlamaConfig", "LlamaForCausalLM", **_DECODER)()
+    kwargs = {**_CAUSAL, "output_hidden_states": True}
+    run = lambda m: m(**kwargs).loss  # noqa: E731
+    inputs = list(kwargs.values())
+    eager = training_step(model, lambda m: m(**kwargs, use_cache=False).loss, inputs)
+    model = _hf("LlamaConfig", "LlamaForCausalLM", **_DECODER)()  # its hooks not installed yet
+    opt = planner.optimize(model, "60%", profile_repeats=1, hold_outputs=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", PartialCaptureWarning)
+        first = training_step(opt, run, inputs, owner=model)  # plans, then trains
+    plan = opt.plan
+    assert plan.regions
+    planned = training_step(opt, run, inputs, owner=model)
+    assert opt.plan is plan  # planned once
+    assert planned.peak_bytes <= plan.budget_bytes
+    assert_same_training(eager, first, atol=0)
+    assert_same_training(eager, planned, atol=0)
+    ours, theirs = opt(**kwargs).hidden_states, model(**kwargs, use_cache=False).hidden_states
+    assert len(ours) == len(theirs) == 4 and all(torch.equal(a, b) for a, b in zip(ours, theirs))
+    assert hooked_modules(model, _FORWARD_HOOKS) == []
+    assert "" in hooked_modules(model.model.layers[0], _FORWARD_HOOKS)  # the layer (and its attention)
