@@ -87,6 +87,15 @@ def _pixels() -> dict[str, Any]:
 
 
 _DECODER = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4)
+
+
+def _lora(config: str, model: str, **fields: Any) -> Callable[[], nn.Module]:
+    """A PEFT LoRA model (rank 8 on the attention's query and value projections, dropout 0.1) over ``_hf``'s."""
+    def build() -> nn.Module:
+        import peft
+        lora = peft.LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], lora_dropout=0.1)
+        return peft.get_peft_model(_hf(config, model, **fields)(), lora)
+    return build
 _ENCODER_DECODER = dict(vocab_size=64, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
                         decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64)
 
@@ -250,6 +259,12 @@ CASES: dict[str, Case] = {
                     _tokens()),
     "mamba": Case("transformers", _hf("MambaConfig", "MambaForCausalLM", vocab_size=64, hidden_size=32,
                                       num_hidden_layers=2, state_size=8), _tokens()),
+    "llama_lora": Case("peft", _lora("LlamaConfig", "LlamaForCausalLM", num_key_value_heads=2, **_DECODER),
+                       _tokens()),
+    "segformer": Case("transformers", _hf("SegformerConfig", "SegformerForSemanticSegmentation", num_encoder_blocks=2,
+                                          depths=[1, 1], sr_ratios=[2, 1], hidden_sizes=[16, 32],
+                                          num_attention_heads=[1, 2], decoder_hidden_size=32, num_labels=4),
+                      lambda: {"pixel_values": torch.randn(4, 3, 32, 32), "labels": torch.randint(0, 4, (4, 32, 32))}),
     "roberta": Case("transformers", _hf("RobertaConfig", "RobertaForSequenceClassification",
                                         max_position_embeddings=80, **_DECODER), _classes),
     "distilbert": Case("transformers", _hf("DistilBertConfig", "DistilBertForSequenceClassification", vocab_size=64,

@@ -470,11 +470,21 @@ def outside_autocast() -> Iterator[None]:
 
 
 @functools.cache
-def _takes_use_cache(forward: Any) -> bool:
+def _takes_use_cache(model: torch.nn.Module) -> bool:
+    """Whether ``model``'s forward takes ``use_cache``: by name, or, for a PEFT model (``get_base_model``), passed
+    on through its keyword arguments to a base model that takes it."""
     try:
-        return "use_cache" in inspect.signature(forward).parameters
+        parameters = inspect.signature(getattr(model.forward, "__func__", model.forward)).parameters
     except (TypeError, ValueError):
         return False
+    if "use_cache" in parameters:
+        return True
+    base = getattr(model, "get_base_model", None)
+    passes_keywords = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+    if not (passes_keywords and callable(base)):
+        return False
+    inner = base()
+    return isinstance(inner, torch.nn.Module) and inner is not model and _takes_use_cache(inner)
 
 
 def drops_cache(model: torch.nn.Module, kwargs: dict) -> bool:
@@ -492,7 +502,7 @@ def drops_cache(model: torch.nn.Module, kwargs: dict) -> bool:
     """
     if not model.training or "use_cache" in kwargs or not getattr(getattr(model, "config", None), "use_cache", False):
         return False
-    return _takes_use_cache(getattr(model.forward, "__func__", model.forward))
+    return _takes_use_cache(model)
 
 
 @contextlib.contextmanager

@@ -750,3 +750,27 @@ def test_hugging_face_output_capturing_hooks_are_traced_where_the_graph_returns_
     assert len(ours) == len(theirs) == 4 and all(torch.equal(a, b) for a, b in zip(ours, theirs))
     assert hooked_modules(model, _FORWARD_HOOKS) == []
     assert "" in hooked_modules(model.model.layers[0], _FORWARD_HOOKS)  # the layer (and its attention)
+
+
+def test_a_peft_lora_model_is_captured_whole_and_trains_its_adapters_exactly():
+    """PEFT's model passes ``use_cache`` on to its base model through its keyword arguments: capture binds it off
+    there too (:func:`planner.capture.drops_cache`). Until 2026-12-08 it did not, the ``DynamicCache`` in the
+    output stopped export, and the model was planned in parts (its base model one part). Only the adapters train;
+    their dropout draws as eager's does."""
+    peft = pytest.importorskip("peft")
+    base = _hf("LlamaConfig", "LlamaForCausalLM", num_key_value_heads=2, **_DECODER)()
+    lora = peft.LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], lora_dropout=0.1)
+    model = peft.get_peft_model(base, lora).train()
+    assert drops_cache(model, _CAUSAL)
+    run = lambda m: m(**_CAUSAL).loss  # noqa: E731
+    inputs = list(_CAUSAL.values())
+    eager = training_step(model, run, inputs)
+    assert len(eager.grads) == 12  # the adapters': A and B of two projections in three layers
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", PartialCaptureWarning)
+        opt = planner.optimize(model, "60%", example_kwargs=_CAUSAL, profile_repeats=1, hold_outputs=False)
+    assert opt.plan.regions
+    planned = training_step(opt, run, inputs, owner=model)
+    assert planned.peak_bytes <= opt.plan.budget_bytes
+    assert opt.plan.predicted_peak_bytes == pytest.approx(planned.peak_bytes, rel=0.03)
+    assert_same_training(eager, planned, atol=0)
