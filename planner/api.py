@@ -192,7 +192,8 @@ class Posed:
     profile: GraphProfile | None = None  # the graph's profile it was posed from (see ``pose(times_from=)``)
 
 
-REMEMBERED_POSES = 4  # how many posed problems planning keeps (:func:`remembered_pose`)
+REMEMBERED_POSES = 64  # how many posed problems planning keeps (:func:`remembered_pose`): plain data, a model
+# planned in parts poses one per part (until 2026-12-08 it kept 4, and parts were timed afresh each planning)
 _remembered: collections.OrderedDict[tuple, Posed] = collections.OrderedDict()
 
 
@@ -1468,7 +1469,8 @@ class OptimizedModule(torch.nn.Module):
         pose_options = {k: part_options[k] for k in ("loss_fn", "optimizer", "ddp", "max_stages",
                                                      "profile_repeats", "hold_outputs", "granularity")}
         pose_options["grads_held"] = self._grads_held_now()
-        posed = {path: pose(captured, **pose_options) for path, captured in found.items()}
+        # remembered, as a whole model's are: planning again (the smallest budget an error named) prices alike
+        posed = {path: remembered_pose(captured, **pose_options) for path, captured in found.items()}
 
         def planned_parts(budgets: dict[str, Budget], solvers_used: dict[str, str]) -> dict[str, OptimizedModule]:
             made = {}

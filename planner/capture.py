@@ -25,6 +25,7 @@ import logging
 import operator
 import random
 import sys
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import AbstractSet, Any, Callable, Iterator, Sequence
@@ -985,20 +986,32 @@ def numbers_kept(model: torch.nn.Module) -> Iterator[None]:
     (:func:`_objects_set_recorded`: a list it appends to grows by the caller's steps only) and Python's and NumPy's
     generators (:func:`python_draws_recorded`).
 
+    A number that was none before (a cache's length, set with the cache on the first call) is put back as it
+    was too: until 2026-12-08 it stayed, while the cache went back to ``None``, and the next forward took the
+    cache for filled and read ``None``.
+
     >>> model = torch.nn.Linear(2, 2)
-    >>> model.steps = 0
+    >>> model.steps, model.cached_length = 0, None
     >>> with numbers_kept(model):
     ...     model.steps += 1
-    >>> model.steps
-    0
+    ...     model.cached_length, model.seen = 128, True
+    >>> model.steps, model.cached_length, hasattr(model, "seen")
+    (0, None, False)
     """
     before = _numbers(model)
+    attributes = {id(module): dict(vars(module)) for module in model.modules()}
     try:
         with python_draws_recorded(), _objects_kept(model):
             yield
     finally:
         for module, name, value in before.values():
             setattr(module, name, value)
+        for path, (module, name, _) in _numbers(model).items():
+            if path not in before and id(module) in attributes:
+                if name in attributes[id(module)]:
+                    setattr(module, name, attributes[id(module)][name])
+                else:
+                    delattr(module, name)
 
 
 def _check_gradients_kept(model: torch.nn.Module, hooks: list[Any]) -> None:
@@ -1060,7 +1073,8 @@ def _same_numpy_state(a: tuple, b: tuple) -> bool:
 @contextlib.contextmanager
 def _export_failure_unprinted() -> Iterator[None]:
     """What Python writes to ``sys.stderr`` inside, written there after it, but for what ``torch.export`` prints
-    when it fails on data-dependent control flow: the partial graph, the whole traced forward a line per op (1,500
+    when it fails on data-dependent control flow (and its warning about tensors a forward sets, which capture
+    deals with): the partial graph, the whole traced forward a line per op (1,500
     lines for a 3-layer DeBERTa), twice, and a warning that it found no user code for the symbol; again for each
     part tried when the model is then planned in parts. The error that follows says what failed, and keeps the
     graph (``__cause__.partial_fx_graph``).
@@ -1072,7 +1086,9 @@ def _export_failure_unprinted() -> Iterator[None]:
     shapes_log = logging.getLogger("torch.fx.experimental.symbolic_shapes")
     shapes_log.addFilter(quiet)
     try:
-        with contextlib.redirect_stderr(written):
+        with contextlib.redirect_stderr(written), warnings.catch_warnings():
+            # capture says what it makes of tensors a forward sets (_check_state_kept), and refills caches
+            warnings.filterwarnings("ignore", message="The tensor attributes .* were assigned during export")
             yield
     except BaseException as exc:
         graph = getattr(exc, "partial_fx_graph", None)
@@ -1161,6 +1177,12 @@ def unaliased(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     return tree_unflatten(copied, spec)
 
 
+class _StateSetError(PlannerError):
+    """The forward set state on the model that the graph would not: numbers, tensors or containers of its modules,
+    or buffers assigned or registered. Where a forward sets it on its first call only (a cache), capture again
+    after one forward (:func:`capture`)."""
+
+
 def _check_state_kept(model: torch.nn.Module, graph_module: fx.GraphModule, objects_set: list[str],
                       buffers_assigned: list[str]) -> None:
     """Raise where the planned module would not keep ``model``'s state as its forward does: buffers or inputs
@@ -1180,7 +1202,7 @@ def _check_state_kept(model: torch.nn.Module, graph_module: fx.GraphModule, obje
                  "forward")
     unrecorded = sorted(set(buffers_assigned) - _written_attributes(graph_module))
     if unrecorded:
-        raise PlannerError(
+        raise _StateSetError(
             f"the forward of {type(model).__name__} assigns or registers the buffer{'s' * (len(unrecorded) > 1)} "
             f"{', '.join(unrecorded[:3])}{' and more' if len(unrecorded) > 3 else ''}, which torch.export does "
             f"not record for a submodule's buffer: the captured graph would never update or register "
@@ -1188,7 +1210,7 @@ def _check_state_kept(model: torch.nn.Module, graph_module: fx.GraphModule, obje
             hint="update such a buffer in place (self.running.mul_(0.9).add_(0.1 * x)), which the graph records; "
                  "optimize() plans the model's parts and runs the forward that assigns it eagerly")
     if objects_set:
-        raise PlannerError(
+        raise _StateSetError(
             f"the forward of {type(model).__name__} sets or fills {', '.join(objects_set[:3])}"
             f"{' and more' if len(objects_set) > 3 else ''}, which a captured graph would not do: after each planned "
             f"step they would hold what they held before it (an attention map kept for a plot, a load balancing "
@@ -1215,7 +1237,10 @@ def capture(model: torch.nn.Module, example_args: tuple, example_kwargs: dict | 
     forward (:func:`hooked_modules`; a global forward hook is traced, and a :class:`ForwardHookWarning` says that
     its other effects will not run), its forward registers gradient hooks on tensors, which torch.export drops, or
     it keeps state the graph would not (:func:`_check_state_kept`). What export's trace left on the model is put
-    back (:func:`_objects_kept`). The user's autograd.Functions are kept whole, forward and backward
+    back (:func:`_objects_kept`). Where the forward set state on the model (numbers, tensors, containers, buffers),
+    it may be a cache its first call fills: one forward without gradients fills it (:func:`_warmed_up`), and a
+    capture that then sets nothing is the model as its later calls run it; else what that forward set is put back
+    and the first refusal raised. The user's autograd.Functions are kept whole, forward and backward
     (:mod:`planner.functions`).
     """
     if not isinstance(model, torch.nn.Module):
@@ -1227,6 +1252,23 @@ def capture(model: torch.nn.Module, example_args: tuple, example_kwargs: dict | 
         raise PlannerError("example inputs contain no tensor",
                            hint="pass the inputs of one training step, e.g. example_inputs=(batch,)")
     _check_hooks(model)
+    try:
+        return _captured(model, args, kwargs, replay_dropout)
+    except _StateSetError as error:
+        first = error
+    with _attributes_put_back_on_error(model):
+        try:
+            _warmed_up(model, args, kwargs)
+        except Exception:
+            raise first from None
+        try:
+            return _captured(model, args, kwargs, replay_dropout)
+        except PlannerError:  # sets state again (not a cache), or fails another way once warm: as it was
+            raise first from None
+
+
+def _captured(model: torch.nn.Module, args: tuple, kwargs: dict, replay_dropout: bool) -> CapturedGraph:
+    """:func:`capture` of one trace of the forward."""
     modes = [(module, module.training) for module in model.modules()]  # a BatchNorm frozen with eval() stays so
     try:
         with _cache_dropped(model, kwargs), functions_kept_whole(), checkpoints_traced() as own_checkpoints, \
@@ -1254,7 +1296,7 @@ def capture(model: torch.nn.Module, example_args: tuple, example_kwargs: dict | 
             hint="draw with torch instead (torch.rand(()) < p): the model is then planned in parts, and its "
                  "forward makes the choice each step")
     if counters:
-        raise PlannerError(
+        raise _StateSetError(
             f"the forward of {type(model).__name__} changes {', '.join(counters[:3])}"
             f"{' and more' if len(counters) > 3 else ''}, which a captured graph would neither change nor read "
             f"again: it would run with the value of this one call on every step",
@@ -1273,6 +1315,55 @@ def capture(model: torch.nn.Module, example_args: tuple, example_kwargs: dict | 
                          hooks=hooks_signature(model), numbers=numbers_signature(model),
                          trained=trained_signature(model), modules=modules_signature(model),
                          own_checkpoints=own_checkpoints.count)
+
+
+def _warmed_up(model: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+    """One forward of ``model`` without gradients, as its first call would run: what it sets on its modules (a
+    cache filled on the first call, a buffer registered then) stays; the buffers it had, torch's random generators
+    and Python's and NumPy's are put back as they were, so that the caller's first step updates and draws as it
+    would have (BatchNorm's statistics move once, its dropout masks are the ones eager draws)."""
+    buffers = {id(module): (module, dict(module._buffers)) for module in model.modules()}
+    values = {id(b): b.detach().clone() for _, kept in buffers.values() for b in kept.values() if b is not None}
+    devices = sorted({t.device.index or 0 for t in tree_flatten((args, kwargs))[0]
+                      if isinstance(t, torch.Tensor) and t.device.type == "cuda"})
+    with torch.random.fork_rng(devices=devices), python_draws_recorded(), torch.no_grad():
+        try:
+            with _cache_dropped(model, kwargs):
+                model(*args, **kwargs)
+        finally:
+            for module, kept in buffers.values():
+                module._buffers.update(kept)
+                for b in kept.values():
+                    if b is not None:
+                        b.copy_(values[id(b)])
+
+
+@contextlib.contextmanager
+def _attributes_put_back_on_error(model: torch.nn.Module) -> Iterator[None]:
+    """When the block raises, put back the attributes of ``model``'s modules as they were before it (each object,
+    each container's items, the buffers; those it added go)."""
+    kept = {id(module): (module, dict(vars(module))) for module in model.modules()}
+    buffers = {id(module): (dict(module._buffers), set(module._non_persistent_buffers_set))
+               for module in model.modules()}
+    items = {(id(module), name): type(value)(value) for module, attributes in kept.values()
+             for name, value in attributes.items()
+             if name not in _MODULE_OWN and isinstance(value, _CONTAINERS)}
+    try:
+        yield
+    except BaseException:
+        for module, attributes in kept.values():
+            module._buffers.clear()
+            module._buffers.update(buffers[id(module)][0])
+            module._non_persistent_buffers_set.clear()
+            module._non_persistent_buffers_set.update(buffers[id(module)][1])
+            for name in set(vars(module)) - set(attributes) - _MODULE_OWN:
+                delattr(module, name)
+            for name, value in attributes.items():
+                if name not in _MODULE_OWN:
+                    setattr(module, name, value)
+                    if (id(module), name) in items:
+                        _refill(value, items[id(module), name])
+        raise
 
 
 def flat_call_args(captured: CapturedGraph, args: tuple, kwargs: dict) -> list[Any]:

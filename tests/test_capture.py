@@ -199,15 +199,74 @@ class ScaledLazily(torch.nn.Module):
         return self.layer(x) * self.scale
 
 
-def test_a_buffer_registered_in_forward_is_not_captured_and_no_fake_tensor_is_left_in_its_place():
+def test_a_buffer_registered_on_the_first_call_is_registered_once_by_a_real_forward_then_captured():
     """No graph registers a buffer, and export registered a fake tensor in the model: until 2026-12-07 the model
-    held it after planning (its own forward and its state dict then held a tensor with no data)."""
+    held it after planning (its own forward and its state dict then held a tensor with no data), and until
+    2026-12-08 such a model was planned in parts. Capture now runs one forward without gradients, as the model's
+    first call would, which registers the real buffer, and captures the model as its later calls run it."""
     model = torch.nn.Sequential(ScaledLazily())
-    with pytest.raises(PlannerError, match="registers the buffer 0.scale"):
-        capture(model, (torch.randn(2, 8),))
-    assert not hasattr(model[0], "scale") and "0.scale" not in model.state_dict()
-    model(torch.randn(2, 8))  # its own first call registers it
-    assert type(model[0].scale) is torch.Tensor
+    x = torch.randn(2, 8)
+    captured = capture(model, (x,))
+    assert type(model[0].scale) is torch.Tensor and torch.equal(model[0].scale, torch.linspace(0.5, 1.5, 8))
+    assert "0.scale" in model.state_dict()
+    assert torch.equal(captured.graph_module(x), model(x))
+
+
+class CachedOnFirstCall(torch.nn.Module):
+    """Rotary tables made when the sequence length changes (a length and two tensors kept as plain attributes,
+    as many hand-written transformers do), a memo dict by shape, a BatchNorm and a dropout."""
+
+    def __init__(self):
+        super().__init__()
+        self.layer, self.norm, self.drop = torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(6), torch.nn.Dropout(0.5)
+        self.register_buffer("inv_freq", 1.0 / 100 ** (torch.arange(0, 8, 2).float() / 8))
+        self.seq_len_cached, self.cos_cached, self.memo = None, None, {}
+
+    def forward(self, x):
+        if x.shape[1] != self.seq_len_cached:
+            self.seq_len_cached = x.shape[1]
+            self.cos_cached = torch.outer(torch.arange(x.shape[1]).float(), self.inv_freq).cos().repeat(1, 2)
+        if x.shape not in self.memo:
+            self.memo[x.shape] = torch.ones(x.shape[1:]).tril()
+        return self.drop(self.norm(self.layer(x) * self.cos_cached + self.memo[x.shape]))
+
+
+def test_a_cache_filled_on_the_first_call_is_filled_once_by_a_real_forward_leaving_statistics_and_draws_alone():
+    """Until 2026-12-08 such a model was refused (it sets attributes and changes a number) and planned in parts,
+    where its blocks could not be checkpointed whole. The forward capture runs first fills the caches as the first
+    call would, and is not a training step: BatchNorm's statistics and torch's generator are as they were."""
+    model, x = CachedOnFirstCall(), torch.randn(4, 6, 8)
+    rng, mean = torch.get_rng_state(), model.norm.running_mean.clone()
+    captured = capture(model, (x,))
+    assert torch.equal(torch.get_rng_state(), rng) and torch.equal(model.norm.running_mean, mean)
+    assert model.norm.num_batches_tracked == 0
+    assert model.seq_len_cached == 6 and type(model.cos_cached) is torch.Tensor and list(model.memo) == [x.shape]
+    reference = CachedOnFirstCall()
+    reference.load_state_dict(model.state_dict())
+    torch.manual_seed(1)
+    theirs = reference(x)
+    torch.manual_seed(1)
+    assert torch.equal(captured.graph_module(x), theirs)
+    assert torch.equal(model.cos_cached, reference.cos_cached)
+
+
+def test_a_forward_that_sets_state_on_every_call_is_refused_with_the_first_forward_undone():
+    """The forward capture runs to fill first-call caches is undone where the next capture still sets state: the
+    counter, the kept tensors and lists and a buffer it registered are as they were."""
+    class RegistersAndCounts(WarmsUp):
+        def forward(self, x):
+            if not hasattr(self, "scale"):
+                self.register_buffer("scale", torch.ones(8))
+            return super().forward(x) * self.scale
+
+    counting = RegistersAndCounts()
+    with pytest.raises(PlannerError, match="changes calls"):
+        capture(counting, (torch.randn(2, 8),))
+    assert counting.calls == 0 and not hasattr(counting, "scale") and "scale" not in counting.state_dict()
+    keeping = KeepsWhatItSaw()
+    with pytest.raises(PlannerError, match="sets or fills"):
+        capture(keeping, (torch.randn(2, 8),))
+    assert keeping.last is None and keeping.norms == [] and not hasattr(keeping, "aux_loss")
 
 
 def test_a_failed_capture_leaves_stderr_to_the_model_not_to_exports_partial_graph(capsys, caplog):
