@@ -8,6 +8,8 @@ import math
 import pytest
 import torch
 
+import planner
+
 from examples import gpt2
 from examples.hf_trainer import planned_gpt2, train_with_trainer
 from planner.meter import LiveMemoryMeter, storage_bytes
@@ -139,3 +141,37 @@ def test_trainer_saves_a_model_planned_in_place_as_it_saves_the_model(tmp_path):
     saved = type(model).from_pretrained(str(tmp_path / "planned" / "checkpoint-2"))
     for (name, a), b in zip(model.state_dict().items(), saved.state_dict().values()):
         torch.testing.assert_close(a, b, atol=0, rtol=0, msg=name)
+
+
+def test_trainer_trains_a_peft_lora_model_planned_in_place_and_saves_its_adapters(tmp_path):
+    """The usual fine-tuning set-up: LoRA adapters on a frozen Llama, ``Trainer`` driving the model planned in
+    place. The same losses as ``Trainer`` on the unplanned model (adapter dropout included), the plan's regions run
+    each step, and the checkpoint is PEFT's adapters, which load onto a fresh base model as trained."""
+    peft = pytest.importorskip("peft")
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=2)
+
+    def build():
+        torch.manual_seed(0)
+        lora = peft.LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], lora_dropout=0.1)
+        return peft.get_peft_model(LlamaForCausalLM(config), lora)
+    ids = torch.randint(0, 64, (4, 64), generator=torch.Generator().manual_seed(0))
+    model = build()
+    kwargs = {"input_ids": ids, "labels": ids, "num_items_in_batch": torch.tensor(float(ids[:, 1:].numel()))}
+    opt = planner.optimize(model, "60%", example_kwargs=kwargs, profile_repeats=1, in_place=True)
+    regions = [m for m in opt._planned[opt.planned.captured.key][1].modules() if isinstance(m, CheckpointRegion)]
+    calls = []
+    for region in regions:
+        region.register_forward_pre_hook(lambda module, args: calls.append(module))
+    trained = train_with_trainer(model, ids, steps=2, output_dir=str(tmp_path / "planned"), save_steps=2)
+    assert regions and len(calls) == 2 * len(regions)
+    assert trained.losses == train_with_trainer(build(), ids, steps=2, output_dir=str(tmp_path / "eager")).losses
+    torch.manual_seed(1)
+    loaded = peft.PeftModel.from_pretrained(LlamaForCausalLM(config), str(tmp_path / "planned" / "checkpoint-2"))
+    adapters = {name: value for name, value in model.state_dict().items() if "lora_" in name}
+    assert len(adapters) == 12
+    for name, value in loaded.state_dict().items():
+        if "lora_" in name:
+            torch.testing.assert_close(value, adapters[name], atol=0, rtol=0, msg=name)
