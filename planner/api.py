@@ -1267,6 +1267,9 @@ class OptimizedModule(torch.nn.Module):
         self._open_calls: list[weakref.ref] = []  # training calls whose backward has not begun (see _watch)
         self._calls_seen: dict[tuple, int] = {}  # by key, the most calls seen before one backward, where above 1
         self._double_backward_warned = False  # see _note_double_backward
+        # what the planned calls have told (see _note_stand_in_loss): a set, not a flag, as a number changed in
+        # forward would be a counter of the model's to a capture of a model this module is part of
+        self._told: set[str] = set()
         self._reused_calls: dict[tuple, int] = {}  # calls run under each reused plan (see _planning_pays)
         self._modules_listed: tuple[torch.nn.Module, ...] | None = None  # the model's modules, for hooks_signature
         self._modules_held: tuple = ()  # their children when listed (modules_signature): a change lists them anew
@@ -1604,6 +1607,21 @@ class OptimizedModule(torch.nn.Module):
         torch.autograd.graph.register_multi_grad_hook(tensors, begun, mode="any")
         self._open_calls.append(weakref.ref(call))
 
+    def _note_stand_in_loss(self, outputs: Any) -> None:
+        """Warn, once, that the plan was made for a stand-in loss (see :class:`StandInLossWarning`)."""
+        if "stand-in loss" in self._told or self._options.get("loss_fn") is not None:
+            return
+        self._told.add("stand-in loss")  # looked at once: a model's outputs keep their kind
+        nbytes = stand_in_loss_bytes(outputs)
+        if not nbytes:
+            return
+        warn_at_callers_line(StandInLossWarning(
+            f"{type(self.model).__name__} returns no scalar loss, and was planned without loss_fn: for a stand-in, "
+            f"the mean of its outputs' squares ({format_bytes(nbytes)} of outputs), which keeps an output-sized "
+            f"tensor from forward to backward and makes the outputs' gradients whole, as mean squared error does. "
+            f"Pass your loss as loss_fn (a function of the outputs) to plan for it exactly: one that frees more "
+            f"(cross-entropy frees one output-sized tensor more) then fits more"))
+
     def _note_double_backward(self) -> None:
         """Warn, once, that a backward building a graph of its own ran through the plan (see
         :class:`DoubleBackwardWarning`)."""
@@ -1664,7 +1682,9 @@ class OptimizedModule(torch.nn.Module):
             self._parts = None  # the hooks it was planned in parts with have changed: capture it whole again
         if self._parts is not None:
             with parts_planned(self.model, self._parts):
-                return run_model(*args, **kwargs)
+                outputs = run_model(*args, **kwargs)
+            self._note_stand_in_loss(outputs)
+            return outputs
         planned_kwargs = without_unmasking_mask(self.model, kwargs)
         sharded = fsdp.units_signature(self.model, self)
         base_key, key = self._keys(args, planned_kwargs, sharded)
@@ -1690,6 +1710,7 @@ class OptimizedModule(torch.nn.Module):
         else:
             outputs = module(*args, **kwargs)
         self._watch(outputs, base_key)
+        self._note_stand_in_loss(outputs)
         return outputs
 
     def _forget_plans(self) -> None:
@@ -1827,7 +1848,8 @@ def optimize(model: torch.nn.Module, budget: int | str | None, example_inputs: A
     solver : ``"auto"``, ``"ilp"``, ``"dp"`` or a baseline (``"uniform"``, ``"chen_sqrt"``, ``"store_all"``,
         ``"fewest_blocks"``, ``"whole"``).
     loss_fn : turns the model's output into the loss for profiling; by default the first scalar output (the
-        ``loss`` of Hugging Face models given ``labels``), else the sum of the outputs.
+        ``loss`` of Hugging Face models given ``labels``), else a stand-in, the mean of the outputs' squares, which
+        common losses fit (:func:`~planner.profile.default_loss`; a :class:`StandInLossWarning` says so).
     max_stages, profile_repeats, solver_options : how finely to cut the model, how many timed profiling runs,
         and options for the solver (``time_limit``, ``gap``).
     hold_outputs : whether your loop keeps the model's output alive through the backward
@@ -1944,6 +1966,29 @@ def _with_step(key: tuple, grads_held: bool, calls_per_step: int) -> tuple:
 class DoubleBackwardWarning(UserWarning):
     """A backward with ``create_graph=True`` ran through a plan made for steps of one backward (until 2026-12-07
     silently: a gradient penalty's step of a 4-block MLP planned at 70% peaked at 3.1 times its budget)."""
+
+
+class StandInLossWarning(UserWarning):
+    """A model whose outputs hold no scalar loss was planned without ``loss_fn``: for a stand-in loss (the mean of
+    the outputs' squares, :func:`~planner.profile.default_loss`), which keeps an output-sized tensor and makes the
+    outputs' gradients whole, as mean squared error does; a loss that frees more (cross-entropy frees one
+    output-sized tensor more) is planned for exactly, and fits more, when passed as ``loss_fn``."""
+
+
+def stand_in_loss_bytes(outputs: Any) -> int:
+    """Bytes of the outputs a stand-in loss was planned for: those that require grad, where none is a scalar (a
+    loss); 0 where one is (:func:`~planner.profile.default_loss` takes it).
+
+    >>> import torch
+    >>> stand_in_loss_bytes(torch.ones(4, 8, requires_grad=True))
+    128
+    >>> stand_in_loss_bytes({"loss": torch.ones((), requires_grad=True), "logits": torch.ones(4, 8)})
+    0
+    """
+    leaves = [t for t in tree_flatten(outputs)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+    if any(t.dim() == 0 for t in leaves):
+        return 0
+    return sum(t.numel() * t.element_size() for t in leaves)
 
 
 class _OpenCall:

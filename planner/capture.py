@@ -471,18 +471,22 @@ def outside_autocast() -> Iterator[None]:
 
 
 @functools.cache
+def _forward_parameters(forward: Any) -> tuple[tuple[str, Any], ...]:
+    """The names and kinds of a forward function's parameters (none where it has no signature)."""
+    try:
+        return tuple((p.name, p.kind) for p in inspect.signature(forward).parameters.values())
+    except (TypeError, ValueError):
+        return ()
+
+
 def _takes_use_cache(model: torch.nn.Module) -> bool:
     """Whether ``model``'s forward takes ``use_cache``: by name, or, for a PEFT model (``get_base_model``), passed
     on through its keyword arguments to a base model that takes it."""
-    try:
-        parameters = inspect.signature(getattr(model.forward, "__func__", model.forward)).parameters
-    except (TypeError, ValueError):
-        return False
-    if "use_cache" in parameters:
+    parameters = _forward_parameters(getattr(model.forward, "__func__", model.forward))
+    if any(name == "use_cache" for name, _ in parameters):
         return True
     base = getattr(model, "get_base_model", None)
-    passes_keywords = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
-    if not (passes_keywords and callable(base)):
+    if not (callable(base) and any(kind is inspect.Parameter.VAR_KEYWORD for _, kind in parameters)):
         return False
     inner = base()
     return isinstance(inner, torch.nn.Module) and inner is not model and _takes_use_cache(inner)

@@ -492,14 +492,27 @@ class _MarkingInterpreter(FreeingInterpreter):
 
 
 def default_loss(outputs: Any) -> torch.Tensor:
-    """The first scalar output that requires grad, else the sum of all floating outputs (a stand-in loss)."""
+    """The first scalar output that requires grad (the ``loss`` of a Hugging Face model given ``labels``), else a
+    stand-in for the loss the caller computes from the outputs: the mean of their squares, in fp32. As a squared
+    error does, it keeps an output-sized tensor from its forward to its backward and makes each output's gradient
+    whole (cross-entropy needs one output-sized tensor less at its peak, so it fits with room to spare). Until
+    2026-12-08 the stand-in was the outputs' sum, whose gradient is a broadcast scalar: a model returning logits,
+    planned without ``loss_fn`` and trained with cross-entropy, measured 35.7 MB against a 19.7 MB budget (a
+    4-layer encoder over 2,048 classes, 8 x 128 tokens). ``loss_fn`` plans for the caller's own loss exactly.
+
+    >>> import torch
+    >>> logits = torch.ones(2, 3, requires_grad=True)
+    >>> default_loss(logits).backward()
+    >>> logits.grad.stride()   # whole, as cross-entropy's
+    (3, 1)
+    """
     leaves = [t for t in tree_leaves(outputs) if isinstance(t, torch.Tensor) and t.requires_grad]
     for t in leaves:
         if t.dim() == 0:
             return t
     if not leaves:
         raise ValueError("the model returns no tensor that requires grad, so there is nothing to train")
-    return sum(t.float().sum() for t in leaves)
+    return sum(t.float().square().mean() for t in leaves)
 
 
 def measure_stages(captured: CapturedGraph, stage_of: dict[str, int], num_stages: int, *,

@@ -1428,3 +1428,45 @@ def test_a_model_planned_in_parts_whose_forward_fills_caches_plans_and_trains_as
         opt = planner.optimize(model, "80%", profile_repeats=1)
         _assert_steps_as_eager(opt, model, reference, [SEQUENCES, SEQUENCES * 2])
     assert opt.parts
+
+
+class LogitsOnly(torch.nn.Module):
+    """A small language model returning its logits: the caller computes the loss."""
+
+    def __init__(self, vocab=512, width=64):
+        super().__init__()
+        self.embed, self.head = torch.nn.Embedding(vocab, width), torch.nn.Linear(width, vocab)
+        self.blocks = torch.nn.ModuleList(torch.nn.TransformerEncoderLayer(width, 4, 4 * width, dropout=0.0,
+                                                                           batch_first=True) for _ in range(3))
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def test_a_model_returning_no_loss_is_planned_for_a_stand_in_that_common_losses_fit_and_says_so():
+    """Until 2026-12-08 the stand-in was the outputs' sum, whose gradient is a broadcast scalar: trained with
+    cross-entropy, such a model measured far over its budget (a 4-layer encoder over 2,048 classes: 35.7 MB
+    against 19.7 MB). The stand-in now keeps the outputs and makes their gradients whole; cross-entropy and a
+    squared error fit it, the plan says it is a stand-in, once, and ``loss_fn`` plans for the loss itself."""
+    from planner.api import StandInLossWarning
+
+    torch.manual_seed(0)
+    model = LogitsOnly()
+    ids = torch.randint(0, 512, (4, 64), generator=torch.Generator().manual_seed(0))
+    losses = {"cross-entropy": lambda logits: torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids.flatten()),
+              "squared": lambda logits: logits.pow(2).mean()}
+    opt = planner.optimize(model, "70%", example_inputs=(ids,), profile_repeats=1, hold_outputs=False)
+    with pytest.warns(StandInLossWarning, match="LogitsOnly returns no scalar loss.*512.00 KiB of outputs") as seen:
+        peaks = {name: training_step(opt, lambda m: loss(m(ids)), (ids,), owner=model).peak_bytes
+                 for name, loss in losses.items()}
+    assert len([w for w in seen if w.category is StandInLossWarning]) == 1 and seen[0].filename == __file__
+    assert all(peak <= opt.plan.budget_bytes for peak in peaks.values()), (peaks, opt.plan.budget_bytes)
+    exact = planner.optimize(model, opt.plan.budget_bytes, example_inputs=(ids,), profile_repeats=1,
+                             hold_outputs=False, loss_fn=losses["cross-entropy"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", StandInLossWarning)
+        measured = training_step(exact, lambda m: losses["cross-entropy"](m(ids)), (ids,), owner=model).peak_bytes
+    assert measured <= exact.plan.predicted_peak_bytes <= 1.03 * measured

@@ -122,8 +122,8 @@ def test_a_stage_backward_reports_when_it_frees_the_tensors_it_saves_of_earlier_
 def test_default_loss_prefers_a_scalar_output():
     loss = torch.tensor(2.0, requires_grad=True)
     assert default_loss({"loss": loss, "logits": torch.ones(3, requires_grad=True)}) is loss
-    summed = default_loss((torch.ones(2, requires_grad=True), torch.ones(3, requires_grad=True)))
-    assert summed.item() == 5.0
+    summed = default_loss((torch.ones(2, requires_grad=True), torch.full((3,), 2.0, requires_grad=True)))
+    assert summed.item() == 1.0 + 4.0  # a stand-in that keeps its inputs and makes their gradients whole
 
 
 class _Clock:

@@ -203,7 +203,8 @@ def infeasible_budget_error(problem: Problem, budget_bytes: int, minimum_schedul
     phase = {"forward": "forward", "backward": "backward", "backward_start": "start of the backward",
              "recompute": "recomputation before the backward"}.get(event.phase.value, event.phase.value)
     budget_text, minimum_text = format_bytes_apart(budget_bytes, minimum.peak_bytes)
-    message = (f"budget {budget_text} is below the smallest peak any plan reaches, {minimum_text} (eager peak {format_bytes(eager.peak_bytes)}). At that peak "
+    message = (f"budget {budget_text} is below the smallest peak any plan reaches, {minimum_text} (eager peak "
+               f"{format_bytes(eager.peak_bytes)}). At that peak "
                f"({phase} of stage {problem.stages[event.stage].name}), fixed memory (parameters, inputs,"
                f" optimizer state) is {shares['fixed']:.0%}, gradients {shares['gradients']:.0%}, workspace "
                f"{shares['workspace']:.0%} and activations {shares['activations']:.0%}")
