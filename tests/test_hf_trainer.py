@@ -9,7 +9,6 @@ import pytest
 import torch
 
 import planner
-
 from examples import gpt2
 from examples.hf_trainer import planned_gpt2, train_with_trainer
 from planner.meter import LiveMemoryMeter, storage_bytes
