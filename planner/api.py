@@ -34,9 +34,10 @@ from .attention import without_unmasking_mask
 from .budget import Budget, format_bytes, parse_budget
 from .compiled import CompiledFit, fit_plans
 from .capture import (CapturedGraph, OwnCheckpointsWarning, RecaptureWarning, autocast_state, capture, casts_uncached,
-                      changed_values, detached_inputs, hooks_signature, input_signature, inputs_restored,
-                      is_layout_copy, modules_signature, mutated_nodes, no_larger_than, numbers_signature,
-                      outside_autocast, placed_stage_nodes, plan_key, replaced_modules, trained_signature)
+                      changed_values, check_initialized, detached_inputs, hooks_signature, input_signature,
+                      inputs_restored, is_layout_copy, modules_signature, mutated_nodes, no_larger_than,
+                      numbers_signature, outside_autocast, placed_stage_nodes, plan_key, replaced_modules,
+                      trained_signature)
 from .devices import DeviceSpec, device_spec, spec_for_gpu
 from .meta import device_type_of, meta_copy, target_kernels, tensors_of
 from .timing import AnalyticStopwatch, Estimate, stopwatch_for
@@ -1344,6 +1345,7 @@ class OptimizedModule(torch.nn.Module):
         started = time.perf_counter()
         args, kwargs = detached_inputs(args, kwargs)  # planning's steps run their backward through them
         device_type_of(self.model, (args, kwargs))  # one device, or say how to get there
+        check_initialized(self.model)  # else no part would capture either, and planning's steps would initialize
         sharding = fsdp.sharding_of(self.model, self)
         if sharding is not None:
             self._forget_other_shardings(sharding)

@@ -664,6 +664,26 @@ _HOOKED_RUN_EAGERLY = ("planner.optimize plans the submodules without them and r
                        "included; or remove the hooks while planning")
 
 
+def check_initialized(model: torch.nn.Module) -> None:
+    """Raise where ``model`` has parameters or buffers of lazy modules (``nn.LazyLinear``) not yet initialized:
+    their shapes come from the first forward, which the plan cannot be made without, and an optimizer made before
+    it would hold them uninitialized.
+
+    >>> check_initialized(torch.nn.Sequential(torch.nn.LazyLinear(4)))
+    Traceback (most recent call last):
+    ...
+    planner.errors.PlannerError: Sequential has parameters that are not initialized yet (0.weight, 0.bias, of lazy modules): their shapes come from the model's first call. Hint: run the model once on a batch (model(x)) before planning it, as before making its optimizer
+    """
+    lazy = [name for name, tensor in (*model.named_parameters(), *model.named_buffers())
+            if torch.nn.parameter.is_lazy(tensor)]
+    if lazy:
+        raise PlannerError(f"{type(model).__name__} has parameters that are not initialized yet "
+                           f"({', '.join(lazy[:3])}{' and more' if len(lazy) > 3 else ''}, of lazy modules): their "
+                           f"shapes come from the model's first call",
+                           hint="run the model once on a batch (model(x)) before planning it, as before making its "
+                                "optimizer")
+
+
 def _check_hooks(model: torch.nn.Module) -> None:
     """Raise when ``model``'s modules have hooks of the user's, backward or forward; warn for a global forward hook,
     which no part is without. A forward hook's tensor ops would be in the graph, but what else it does (records an
@@ -1255,6 +1275,7 @@ def capture(model: torch.nn.Module, example_args: tuple, example_kwargs: dict | 
     if not any(isinstance(x, torch.Tensor) for x in tree_flatten((args, kwargs))[0]):
         raise PlannerError("example inputs contain no tensor",
                            hint="pass the inputs of one training step, e.g. example_inputs=(batch,)")
+    check_initialized(model)
     _check_hooks(model)
     try:
         return _captured(model, args, kwargs, replay_dropout)

@@ -1470,3 +1470,18 @@ def test_a_model_returning_no_loss_is_planned_for_a_stand_in_that_common_losses_
         warnings.simplefilter("error", StandInLossWarning)
         measured = training_step(exact, lambda m: losses["cross-entropy"](m(ids)), (ids,), owner=model).peak_bytes
     assert measured <= exact.plan.predicted_peak_bytes <= 1.03 * measured
+
+
+def test_a_model_with_lazy_modules_not_yet_initialized_is_refused_until_its_first_call():
+    """Until 2026-12-08 export's error was re-raised after the parts were tried ("could not capture ... uninitialized
+    parameter", with a hint about the inputs). Now the cause and the cure are named; after a call, it is planned."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.LazyLinear(128), torch.nn.GELU(),
+                                                      torch.nn.Linear(128, 32)) for _ in range(4)])
+    with pytest.raises(PlannerError, match=r"not initialized yet \(0.0.weight, 0.0.bias, 1.0.weight and more.*"
+                                           r"run the model once on a batch"):
+        planner.optimize(model, "70%", example_inputs=(X,), profile_repeats=1)
+    assert torch.nn.parameter.is_lazy(model[0][0].weight)  # planning initialized nothing
+    with torch.no_grad():
+        model(X)
+    assert planner.optimize(model, "70%", example_inputs=(X,), profile_repeats=1).plan.regions
