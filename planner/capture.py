@@ -669,10 +669,10 @@ def check_initialized(model: torch.nn.Module) -> None:
     their shapes come from the first forward, which the plan cannot be made without, and an optimizer made before
     it would hold them uninitialized.
 
-    >>> check_initialized(torch.nn.Sequential(torch.nn.LazyLinear(4)))
+    >>> check_initialized(torch.nn.Sequential(torch.nn.LazyLinear(4)))  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
-    planner.errors.PlannerError: Sequential has parameters that are not initialized yet (0.weight, 0.bias, of lazy modules): their shapes come from the model's first call. Hint: run the model once on a batch (model(x)) before planning it, as before making its optimizer
+    planner.errors.PlannerError: Sequential has parameters that are not initialized yet (0.weight, 0.bias, ...
     """
     lazy = [name for name, tensor in (*model.named_parameters(), *model.named_buffers())
             if torch.nn.parameter.is_lazy(tensor)]
