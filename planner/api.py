@@ -51,7 +51,8 @@ from .plan import Plan, SolverStatus, budget_for_usable, usable_bytes
 from .problem import Problem, RecomputeOption, Region, Schedule, recompute_seconds, region_caches, simulate
 from .meter import device_allocator_peak_bytes, storage_bytes
 from .profile import (GraphProfile, StageMeasurement, annotated, default_loss, forget_input_gradients,
-                      held_gradients, measure_stages, paired_step_seconds, preserved_training_state, profile_graph)
+                      held_gradients, measure_stages, paired_step_seconds, preserved_training_state, profile_graph,
+                      trained_outputs)
 from .parts import (PartialCaptureWarning, ReducedBudget, capturable_parts, parts_planned, record_calls,
                     step_peak_bytes)
 from .rewrite import apply_plan
@@ -1987,10 +1988,8 @@ def stand_in_loss_bytes(outputs: Any) -> int:
     >>> stand_in_loss_bytes({"loss": torch.ones((), requires_grad=True), "logits": torch.ones(4, 8)})
     0
     """
-    leaves = [t for t in tree_flatten(outputs)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
-    if any(t.dim() == 0 for t in leaves):
-        return 0
-    return sum(t.numel() * t.element_size() for t in leaves)
+    scalar, leaves = trained_outputs(outputs)
+    return 0 if scalar is not None else sum(t.numel() * t.element_size() for t in leaves)
 
 
 class _OpenCall:

@@ -972,26 +972,48 @@ def _objects_kept(model: torch.nn.Module) -> Iterator[None]:
     before = _held_objects(model)
     items = {path: type(value)(value) for path, (_, _, value, _) in before.items()
              if not isinstance(value, torch.Tensor)}  # a shallow copy of each container
-    attributes = {id(module): dict(vars(module)) for module in model.modules()}  # None, say, before a tensor
-    buffers = {id(module): (module, dict(module._buffers)) for module in model.modules()}
+    attributes = _attributes_of(model)  # None, say, before a tensor
+    buffers = _buffers_of(model)
     try:
         yield
     finally:
-        for module, kept in buffers.values():  # a buffer registered in forward (export's would be a fake tensor)
-            for name in set(module._buffers) - set(kept):
-                del module._buffers[name]
-                module._non_persistent_buffers_set.discard(name)
-            module._buffers.update(kept)
+        _put_buffers_back(buffers)  # a buffer registered in forward goes (export's would be a fake tensor)
         for path, (module, name, _, _) in _held_objects(model).items():
             if path not in before:
-                if name in attributes.get(id(module), {}):
-                    setattr(module, name, attributes[id(module)][name])
-                else:
-                    delattr(module, name)
+                _put_back(module, name, attributes)
         for path, (module, name, value, _) in before.items():
             setattr(module, name, value)
             if path in items:
                 _refill(value, items[path])
+
+
+def _attributes_of(model: torch.nn.Module) -> dict[int, dict[str, Any]]:
+    """Each module's own attributes (a copy of its ``__dict__``), by the module's identity."""
+    return {id(module): dict(vars(module)) for module in model.modules()}
+
+
+def _put_back(module: torch.nn.Module, name: str, attributes: dict[int, dict[str, Any]]) -> None:
+    """Set ``module``'s attribute ``name`` to what it held in ``attributes`` (:func:`_attributes_of`), or delete
+    it where it had none."""
+    before = attributes.get(id(module), {})
+    if name in before:
+        setattr(module, name, before[name])
+    else:
+        delattr(module, name)
+
+
+def _buffers_of(model: torch.nn.Module) -> list[tuple[torch.nn.Module, dict, set]]:
+    """Each module with its buffers by name and the names of its non-persistent ones, as they are now."""
+    return [(module, dict(module._buffers), set(module._non_persistent_buffers_set)) for module in model.modules()]
+
+
+def _put_buffers_back(buffers: list[tuple[torch.nn.Module, dict, set]]) -> None:
+    """Make each module hold the buffers :func:`_buffers_of` saw, and those only (one registered since goes)."""
+    for module, kept, non_persistent in buffers:
+        module._buffers.clear()
+        module._buffers.update(kept)
+        module._non_persistent_buffers_set.clear()
+        module._non_persistent_buffers_set.update(non_persistent)
 
 
 def _refill(container: Any, items: Any) -> None:
@@ -1022,8 +1044,7 @@ def numbers_kept(model: torch.nn.Module) -> Iterator[None]:
     >>> model.steps, model.cached_length, hasattr(model, "seen")
     (0, None, False)
     """
-    before = _numbers(model)
-    attributes = {id(module): dict(vars(module)) for module in model.modules()}
+    before, attributes = _numbers(model), _attributes_of(model)
     try:
         with python_draws_recorded(), _objects_kept(model):
             yield
@@ -1032,10 +1053,7 @@ def numbers_kept(model: torch.nn.Module) -> Iterator[None]:
             setattr(module, name, value)
         for path, (module, name, _) in _numbers(model).items():
             if path not in before and id(module) in attributes:
-                if name in attributes[id(module)]:
-                    setattr(module, name, attributes[id(module)][name])
-                else:
-                    delattr(module, name)
+                _put_back(module, name, attributes)
 
 
 def _check_gradients_kept(model: torch.nn.Module, hooks: list[Any]) -> None:
@@ -1347,8 +1365,8 @@ def _warmed_up(model: torch.nn.Module, args: tuple, kwargs: dict) -> None:
     cache filled on the first call, a buffer registered then) stays; the buffers it had, torch's random generators
     and Python's and NumPy's are put back as they were, so that the caller's first step updates and draws as it
     would have (BatchNorm's statistics move once, its dropout masks are the ones eager draws)."""
-    buffers = {id(module): (module, dict(module._buffers)) for module in model.modules()}
-    values = {id(b): b.detach().clone() for _, kept in buffers.values() for b in kept.values() if b is not None}
+    buffers = _buffers_of(model)
+    values = {id(b): b.detach().clone() for _, kept, _ in buffers for b in kept.values() if b is not None}
     devices = sorted({t.device.index or 0 for t in tree_flatten((args, kwargs))[0]
                       if isinstance(t, torch.Tensor) and t.device.type == "cuda"})
     with torch.random.fork_rng(devices=devices), python_draws_recorded(), torch.no_grad():
@@ -1356,7 +1374,7 @@ def _warmed_up(model: torch.nn.Module, args: tuple, kwargs: dict) -> None:
             with _cache_dropped(model, kwargs):
                 model(*args, **kwargs)
         finally:
-            for module, kept in buffers.values():
+            for module, kept, _ in buffers:  # those it registered stay
                 module._buffers.update(kept)
                 for b in kept.values():
                     if b is not None:
@@ -1367,27 +1385,18 @@ def _warmed_up(model: torch.nn.Module, args: tuple, kwargs: dict) -> None:
 def _attributes_put_back_on_error(model: torch.nn.Module) -> Iterator[None]:
     """When the block raises, put back the attributes of ``model``'s modules as they were before it (each object,
     each container's items, the buffers; those it added go)."""
-    kept = {id(module): (module, dict(vars(module))) for module in model.modules()}
-    buffers = {id(module): (dict(module._buffers), set(module._non_persistent_buffers_set))
-               for module in model.modules()}
-    items = {(id(module), name): type(value)(value) for module, attributes in kept.values()
-             for name, value in attributes.items()
-             if name not in _MODULE_OWN and isinstance(value, _CONTAINERS)}
+    attributes, buffers = _attributes_of(model), _buffers_of(model)
+    items = {(module, name): type(value)(value) for module, held in attributes.items() for name, value in held.items()
+             if name not in _MODULE_OWN and isinstance(value, _CONTAINERS)}  # a shallow copy of each container
     try:
         yield
     except BaseException:
-        for module, attributes in kept.values():
-            module._buffers.clear()
-            module._buffers.update(buffers[id(module)][0])
-            module._non_persistent_buffers_set.clear()
-            module._non_persistent_buffers_set.update(buffers[id(module)][1])
-            for name in set(vars(module)) - set(attributes) - _MODULE_OWN:
-                delattr(module, name)
-            for name, value in attributes.items():
-                if name not in _MODULE_OWN:
-                    setattr(module, name, value)
-                    if (id(module), name) in items:
-                        _refill(value, items[id(module), name])
+        _put_buffers_back(buffers)
+        for module, _, _ in buffers:
+            for name in (set(vars(module)) | set(attributes[id(module)])) - _MODULE_OWN:
+                _put_back(module, name, attributes)
+                if (id(module), name) in items:
+                    _refill(getattr(module, name), items[id(module), name])
         raise
 
 

@@ -506,13 +506,25 @@ def default_loss(outputs: Any) -> torch.Tensor:
     >>> logits.grad.stride()   # whole, as cross-entropy's
     (3, 1)
     """
-    leaves = [t for t in tree_leaves(outputs) if isinstance(t, torch.Tensor) and t.requires_grad]
-    for t in leaves:
-        if t.dim() == 0:
-            return t
+    scalar, leaves = trained_outputs(outputs)
+    if scalar is not None:
+        return scalar
     if not leaves:
         raise ValueError("the model returns no tensor that requires grad, so there is nothing to train")
     return sum(t.float().square().mean() for t in leaves)
+
+
+def trained_outputs(outputs: Any) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
+    """The first scalar among ``outputs`` that requires grad (a loss, which :func:`default_loss` takes), or None,
+    and all of them that require grad (what a stand-in loss is made of where there is no scalar).
+
+    >>> import torch
+    >>> scalar, leaves = trained_outputs({"loss": torch.ones((), requires_grad=True), "logits": torch.ones(2)})
+    >>> scalar.dim(), len(leaves)
+    (0, 1)
+    """
+    leaves = [t for t in tree_leaves(outputs) if isinstance(t, torch.Tensor) and t.requires_grad]
+    return next((t for t in leaves if t.dim() == 0), None), leaves
 
 
 def measure_stages(captured: CapturedGraph, stage_of: dict[str, int], num_stages: int, *,
